@@ -1,0 +1,76 @@
+from proto import scheduler_pb2 as _scheduler_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Chunk(_message.Message):
+    __slots__ = ("request_id", "token_ids", "start_pos", "block_table", "sample", "temperature", "top_p", "top_k", "seed", "output_index")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_POS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    start_pos: int
+    block_table: _containers.RepeatedScalarFieldContainer[int]
+    sample: bool
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    output_index: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., output_index: _Optional[int] = ...) -> None: ...
+
+class ExecuteRequest(_message.Message):
+    __slots__ = ("iteration", "chunks", "pool_id")
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    iteration: int
+    chunks: _containers.RepeatedCompositeFieldContainer[Chunk]
+    pool_id: str
+    def __init__(self, iteration: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., pool_id: _Optional[str] = ...) -> None: ...
+
+class ExecuteReply(_message.Message):
+    __slots__ = ("request_ids", "token_ids", "execute_s")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTE_S_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    execute_s: float
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., execute_s: _Optional[float] = ...) -> None: ...
+
+class KVPoolRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVPoolHandle(_message.Message):
+    __slots__ = ("pool_id", "kind", "shm_name", "cuda_ipc_handle", "device_index", "shape", "dtype", "nbytes")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    kind: str
+    shm_name: str
+    cuda_ipc_handle: bytes
+    device_index: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    nbytes: int
+    def __init__(self, pool_id: _Optional[str] = ..., kind: _Optional[str] = ..., shm_name: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., device_index: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,344 @@
+"""Two-tier KV block manager: device and host block allocators and per-request tables.
+
+Pure Python. A request's KV is a list of logical blocks of `block_size` tokens. Each
+logical block may live on the device (a device block id) and may have a valid host copy
+(a host block id). Block i is *synced* once its tokens are all computed: its content never
+changes again, so a host copy of it stays valid for the request's whole life (DESIGN §3).
+
+Fences: a device block whose content is still being copied to the host is not reusable
+until that copy completes, and a host block that is the source of an in-flight copy is not
+reusable either. Such blocks sit in `_pending_*[fence]` until `complete(fence)`.
+
+One exception, from the iteration contract (every loop — engine, service, simulator —
+finishes an iteration's transfers before that iteration executes): a device block freed
+by this iteration's rotate-out may be handed to *compute* in the same iteration (the
+worker writes it only after the copy has read it), but never to a swap-in, whose H2D copy
+would run at the same time as the D2H copy reading it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from scheduler_svc.request import Request
+
+
+class BlockAllocator:
+    """Free list of one tier's blocks. LIFO so that hot blocks are reused first."""
+
+    __slots__ = ("num_blocks", "_free", "_is_free")
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._is_free = [True] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise MemoryError(f"asked for {n} blocks, {len(self._free)} free")
+        out = [self._free.pop() for _ in range(n)]
+        for b in out:
+            self._is_free[b] = False
+        return out
+
+    def free(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if self._is_free[b]:
+                raise RuntimeError(f"double free of block {b}")
+            self._is_free[b] = True
+            self._free.append(b)
+
+    def is_free(self, block: int) -> bool:
+        return self._is_free[block]
+
+
+@dataclass(slots=True)
+class BlockTable:
+    """Per request: device block and host copy of every logical block (None = absent)."""
+
+    device: list[int | None] = field(default_factory=list)
+    host: list[int | None] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.device)
+
+
+@dataclass(slots=True)
+class TransferPlan:
+    """Block copies one iteration asks for, under one fence."""
+
+    fence: int
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) D2H
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) H2D
+    eager: list[tuple[int, int]] = field(default_factory=list)  # (device, host) D2H, background
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.eager)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.swap_out) + len(self.swap_in) + len(self.eager)
+
+
+class BlockManager:
+    def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.device = BlockAllocator(num_device_blocks)
+        self.host = BlockAllocator(num_host_blocks)
+        self.tables: dict[str, BlockTable] = {}
+        self._pending_device: dict[int, list[int]] = {}
+        self._pending_host: dict[int, list[int]] = {}
+        self._open: TransferPlan | None = None
+        self._next_fence = 1
+        self._eager_queue: deque[str] = deque()
+
+    # -- sizes ---------------------------------------------------------------------------
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def num_free_device(self) -> int:
+        return self.device.num_free
+
+    @property
+    def num_free_host(self) -> int:
+        return self.host.num_free
+
+    def table(self, req: Request) -> BlockTable:
+        return self.tables.setdefault(req.request_id, BlockTable())
+
+    def device_block_ids(self, req: Request) -> list[int]:
+        t = self.tables[req.request_id]
+        ids = [b for b in t.device if b is not None]
+        if len(ids) != len(t.device):
+            raise RuntimeError(f"request {req.request_id} is not fully on the device")
+        return ids
+
+    def num_device_blocks_of(self, req: Request) -> int:
+        t = self.tables.get(req.request_id)
+        return 0 if t is None else sum(b is not None for b in t.device)
+
+    def num_synced(self, req: Request) -> int:
+        return req.num_computed_tokens // self.block_size
+
+    # -- the iteration's transfer plan and fences ---------------------------------------------
+    def begin_iteration(self) -> None:
+        self._open = TransferPlan(fence=self._next_fence)
+        self._next_fence += 1
+
+    def end_iteration(self) -> TransferPlan | None:
+        """Close the iteration's plan; None when it moves nothing (its fence is released)."""
+        plan, self._open = self._open, None
+        if plan is None:
+            return None
+        if not plan:
+            self.complete(plan.fence)
+            return None
+        return plan
+
+    def _plan(self) -> TransferPlan:
+        if self._open is None:
+            raise RuntimeError("block moves need begin_iteration() first")
+        return self._open
+
+    def complete(self, fence: int) -> None:
+        """A transfer batch finished: blocks it held become reusable."""
+        self.device.free(self._pending_device.pop(fence, []))
+        self.host.free(self._pending_host.pop(fence, []))
+
+    @property
+    def pending_fences(self) -> list[int]:
+        return sorted(set(self._pending_device) | set(self._pending_host))
+
+    # -- device allocation (check / act) -------------------------------------------------------
+    @property
+    def num_free_for_compute(self) -> int:
+        """Free device blocks plus those this iteration's rotate-outs release (see top)."""
+        opened = self._pending_device.get(self._open.fence, []) if self._open else []
+        return self.device.num_free + len(opened)
+
+    def num_new_blocks(self, req: Request, num_new_tokens: int) -> int:
+        need = self.blocks_for(req.num_computed_tokens + num_new_tokens)
+        return max(0, need - self.num_device_blocks_of(req))
+
+    def can_allocate(self, req: Request, num_new_tokens: int) -> bool:
+        return self.num_new_blocks(req, num_new_tokens) <= self.num_free_for_compute
+
+    def allocate(self, req: Request, num_new_tokens: int) -> None:
+        """Grow a running request's table to hold its next `num_new_tokens` tokens."""
+        t = self.table(req)
+        n = self.num_new_blocks(req, num_new_tokens)
+        if n > self.num_free_for_compute:
+            raise MemoryError(f"asked for {n} device blocks, {self.num_free_for_compute} free")
+        take = min(n, self.device.num_free)
+        new = self.device.allocate(take)
+        if take < n:
+            opened = self._pending_device[self._plan().fence]
+            new += [opened.pop() for _ in range(n - take)]
+        t.device.extend(new)
+        t.host.extend([None] * n)
+
+    # -- release ---------------------------------------------------------------------------
+    def free(self, req: Request) -> None:
+        """Finished or aborted: every block of the request goes back (fences respected)."""
+        t = self.tables.pop(req.request_id, None)
+        if t is None:
+            return
+        self.device.free([b for b in t.device if b is not None])
+        self.host.free([b for b in t.host if b is not None])
+
+    def drop_to_recompute(self, req: Request) -> None:
+        """Forget the request's KV in both tiers; it recomputes from its tokens."""
+        self.free(req)
+        req.num_computed_tokens = 0
+
+    # -- rotation ---------------------------------------------------------------------------
+    def _trim(self, req: Request) -> None:
+        """Release device blocks beyond the computed tokens (allocated but never written)."""
+        t = self.table(req)
+        keep = self.blocks_for(req.num_computed_tokens)
+        extra_dev = [b for b in t.device[keep:] if b is not None]
+        extra_host = [b for b in t.host[keep:] if b is not None]
+        del t.device[keep:], t.host[keep:]
+        self.device.free(extra_dev)
+        self.host.free(extra_host)
+
+    def swap_out_cost(self, req: Request) -> int:
+        """Blocks a rotate-out must copy: the computed blocks without a host copy."""
+        t = self.tables.get(req.request_id)
+        if t is None:
+            return 0
+        keep = self.blocks_for(req.num_computed_tokens)
+        return sum(1 for i in range(min(keep, len(t))) if t.host[i] is None)
+
+    def swap_in_cost(self, req: Request) -> int:
+        t = self.tables.get(req.request_id)
+        return 0 if t is None else len(t)
+
+    def can_swap_out(self, req: Request) -> bool:
+        return self.swap_out_cost(req) <= self.host.num_free
+
+    def swap_out(self, req: Request) -> tuple[int, int]:
+        """Rotate out: (blocks copied D2H, blocks freed with no copy thanks to eager copies)."""
+        plan = self._plan()
+        self._trim(req)
+        t = self.table(req)
+        pending = self._pending_device.setdefault(plan.fence, [])
+        copied = freed = 0
+        missing = [i for i, h in enumerate(t.host) if h is None]
+        hosts = self.host.allocate(len(missing))
+        for i, h in zip(missing, hosts, strict=True):
+            t.host[i] = h
+        for i, d in enumerate(t.device):
+            if d is None:
+                continue
+            if i in missing:
+                plan.swap_out.append((d, t.host[i]))  # type: ignore[arg-type]
+                pending.append(d)  # reusable once the copy has read it
+                copied += 1
+            else:
+                self.device.free([d])
+                freed += 1
+            t.device[i] = None
+        return copied, freed
+
+    def can_swap_in(self, req: Request, num_new_tokens: int = 1) -> bool:
+        return self.blocks_for(req.num_computed_tokens + num_new_tokens) <= self.device.num_free
+
+    def swap_in(self, req: Request) -> int:
+        """Rotate in: copy every block H2D; keep host copies of synced blocks valid."""
+        plan = self._plan()
+        t = self.table(req)
+        devs = self.device.allocate(len(t))
+        synced = self.num_synced(req)
+        for i, d in enumerate(devs):
+            h = t.host[i]
+            if h is None:
+                raise RuntimeError(f"request {req.request_id}: block {i} has no host copy")
+            plan.swap_in.append((h, d))
+            t.device[i] = d
+            if i >= synced:
+                # The dirty last block will change: its host copy is stale from now on,
+                # and reusable once this copy has read it.
+                self._pending_host.setdefault(plan.fence, []).append(h)
+                t.host[i] = None
+        return len(devs)
+
+    # -- eager rotation ------------------------------------------------------------------------
+    def eager_copy(self, running: list[Request], budget: int, host_reserve: int) -> int:
+        """Queue background D2H copies of synced blocks lacking a host copy.
+
+        Oldest-computed blocks first, at most `budget` blocks, never taking the host pool
+        below `host_reserve` free blocks (rotations need room more than eager copies do).
+        """
+        plan = self._plan()
+        n = 0
+        for req in running:
+            t = self.tables.get(req.request_id)
+            if t is None:
+                continue
+            for i in range(min(self.num_synced(req), len(t))):
+                if n >= budget or self.host.num_free <= host_reserve:
+                    return n
+                d = t.device[i]
+                if t.host[i] is None and d is not None:
+                    (h,) = self.host.allocate(1)
+                    t.host[i] = h
+                    plan.eager.append((d, h))
+                    n += 1
+        return n
+
+    # -- integrity ---------------------------------------------------------------------------
+    def check_integrity(self, requests: dict[str, Request]) -> None:
+        """Raise if any block is owned twice, leaked, or out of step with request state."""
+        from scheduler_svc.request import RequestState
+
+        for tier, alloc, pending, col in (
+            ("device", self.device, self._pending_device, "device"),
+            ("host", self.host, self._pending_host, "host"),
+        ):
+            owner: dict[int, str] = {}
+            for rid, t in self.tables.items():
+                for b in getattr(t, col):
+                    if b is None:
+                        continue
+                    if b in owner:
+                        raise AssertionError(f"{tier} block {b} owned by {owner[b]} and {rid}")
+                    if alloc.is_free(b):
+                        raise AssertionError(f"{tier} block {b} of {rid} is on the free list")
+                    owner[b] = rid
+            for fence, blocks in pending.items():
+                for b in blocks:
+                    if b in owner:
+                        raise AssertionError(f"{tier} block {b} pending on {fence} yet owned")
+                    owner[b] = f"fence {fence}"
+            used = alloc.num_blocks - alloc.num_free
+            if used != len(owner):
+                raise AssertionError(f"{tier}: {used} blocks in use, {len(owner)} accounted for")
+        for rid, t in self.tables.items():
+            req = requests.get(rid)
+            if req is None:
+                raise AssertionError(f"table for unknown request {rid}")
+            if len(t.device) != len(t.host):
+                raise AssertionError(f"{rid}: device/host table lengths differ")
+            need = self.blocks_for(req.num_computed_tokens)
+            if req.state is RequestState.RUNNING:
+                if any(b is None for b in t.device) or len(t) < need:
+                    raise AssertionError(f"{rid} running without all its device blocks")
+            elif req.state is RequestState.ROTARY:
+                if any(b is not None for b in t.device) or any(h is None for h in t.host[:need]):
+                    raise AssertionError(f"{rid} rotary but KV not wholly on the host")
+            else:
+                raise AssertionError(f"{rid} in state {req.state} still holds blocks")
+            for i in range(self.num_synced(req), len(t)):
+                if t.host[i] is not None and req.state is RequestState.RUNNING:
+                    raise AssertionError(f"{rid}: dirty block {i} has a (stale) host copy")

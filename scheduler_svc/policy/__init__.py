@@ -1,0 +1,36 @@
+"""Scheduling policies: `make_policy(name, …)` is what `--policy` selects."""
+
+from __future__ import annotations
+
+from scheduler_svc.policy.base import Policy, RotationLimits
+from scheduler_svc.policy.baselines import FCFSPolicy, SwappedFirstPolicy, WaitingFirstPolicy
+from scheduler_svc.policy.lvf import LVFPolicy
+from scheduler_svc.policy.vlt import VLTParams, vlt
+
+POLICY_NAMES = ("lvf", "fcfs", "swapped-first", "waiting-first")
+
+
+def make_policy(
+    name: str, params: VLTParams | None = None, limits: RotationLimits | None = None
+) -> Policy:
+    params = params or VLTParams()
+    limits = limits or RotationLimits()
+    if name == "lvf":
+        return LVFPolicy(params, limits)
+    if name == "fcfs":
+        return FCFSPolicy()
+    if name == "swapped-first":
+        return SwappedFirstPolicy()
+    if name == "waiting-first":
+        return WaitingFirstPolicy(limits)
+    raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+
+
+__all__ = [
+    "POLICY_NAMES",
+    "Policy",
+    "RotationLimits",
+    "VLTParams",
+    "make_policy",
+    "vlt",
+]

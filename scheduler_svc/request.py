@@ -1,0 +1,203 @@
+"""A request's state as the scheduler sees it: tokens, sampling, SLOs, history.
+
+Pure Python: the service, the simulator and the tests all build these.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # no KV anywhere usable; (re)computes from scratch when admitted
+    RUNNING = "running"  # holds device blocks, scheduled every iteration
+    ROTARY = "rotary"  # paused, KV parked in the host pool
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # the client went away or asked to abort
+    ERROR = "error"
+
+
+class InvalidSamplingParams(ValueError):
+    """Raised for sampling parameters no request may carry; services map it to HTTP 400."""
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings; matched on detokenized text by the frontend
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens <= 0:
+            raise InvalidSamplingParams(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise InvalidSamplingParams(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidSamplingParams(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidSamplingParams(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(slots=True, frozen=True)
+class SLO:
+    """Latency targets of one request, in seconds: TTFT (S_B) and TBT (S_F)."""
+
+    ttft_s: float = 5.0
+    tbt_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.ttft_s <= 0 or self.tbt_s <= 0:
+            raise InvalidSamplingParams(f"SLOs must be positive, got {self}")
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float
+    slo: SLO = field(default_factory=SLO)
+    eos_token_ids: tuple[int, ...] = ()
+    max_model_len: int = 1 << 30
+
+    output_token_ids: list[int] = field(default_factory=list)
+    # KV of tokens [0, num_computed_tokens) is in the cache (device, or host when rotary).
+    num_computed_tokens: int = 0
+    state: RequestState = RequestState.WAITING
+    finish_reason: FinishReason | None = None
+
+    # Timestamps (scheduler clock) that VLT and the statistics read.
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    run_start_time: float | None = None  # last (re)admission to RUNNING
+    admitted_iteration: int = -1  # iteration of the last (re)admission
+    token_times: list[float] = field(default_factory=list)
+
+    # History for observability: (time, state) transitions and counters.
+    transitions: list[tuple[float, str]] = field(default_factory=list)
+    num_rotations: int = 0
+    num_recomputes: int = 0
+    time_in_state: dict[str, float] = field(default_factory=dict)
+    _state_since: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._state_since = self.arrival_time
+        self.transitions.append((self.arrival_time, self.state.value))
+
+    # -- token accounting ---------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def token_id_at(self, index: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < p else self.output_token_ids[index - p]
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state is RequestState.FINISHED
+
+    # -- state changes -----------------------------------------------------------------
+    def set_state(self, state: RequestState, now: float) -> None:
+        if state is self.state:
+            return
+        spent = max(0.0, now - self._state_since)
+        key = self.state.value
+        self.time_in_state[key] = self.time_in_state.get(key, 0.0) + spent
+        self.state = state
+        self._state_since = now
+        self.transitions.append((now, state.value))
+
+    def append_token(self, token_id: int, now: float) -> None:
+        self.output_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+        self.token_times.append(now)
+
+    def check_stop(self) -> FinishReason | None:
+        """Finish reason after the last appended token, if any (stop strings live upstream)."""
+        if not self.output_token_ids:
+            return None
+        last = self.output_token_ids[-1]
+        if not self.sampling.ignore_eos and last in self.eos_token_ids:
+            return FinishReason.STOP
+        if last in self.sampling.stop_token_ids:
+            return FinishReason.STOP
+        if len(self.output_token_ids) >= self.sampling.max_tokens:
+            return FinishReason.LENGTH
+        if self.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def summary(self, now: float) -> dict[str, object]:
+        """Per-request record for logs and `--json` output."""
+        times = dict(self.time_in_state)
+        if not self.is_finished:
+            times[self.state.value] = times.get(self.state.value, 0.0) + now - self._state_since
+        ttft = None if self.first_token_time is None else self.first_token_time - self.arrival_time
+        gaps = [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
+        return {
+            "request_id": self.request_id,
+            "prompt_tokens": self.num_prompt_tokens,
+            "output_tokens": self.num_output_tokens,
+            "ttft_s": ttft,
+            "max_tbt_s": max(gaps) if gaps else None,
+            "rotations": self.num_rotations,
+            "recomputes": self.num_recomputes,
+            "time_waiting_s": times.get("waiting", 0.0),
+            "time_rotary_s": times.get("rotary", 0.0),
+            "time_running_s": times.get("running", 0.0),
+            "slo_miss_cause": slo_miss_cause(self, ttft, gaps),
+        }
+
+
+def slo_miss_cause(req: Request, ttft: float | None, gaps: list[float]) -> str | None:
+    """Which phase made a request miss its SLO: 'waiting', 'rotary', 'running' or None.
+
+    TTFT misses are blamed on the queue when the request waited longer than it ran before
+    its first token, else on execution. A TBT miss is blamed on rotation when the request
+    was ever rotary (a parked request produces no tokens), else on execution.
+    """
+    if ttft is not None and ttft > req.slo.ttft_s:
+        first = req.first_token_time or 0.0
+        waited = sum(
+            min(b_t, first) - a_t
+            for (a_t, a_s), (b_t, _) in zip(req.transitions, req.transitions[1:], strict=False)
+            if a_s == "waiting" and a_t < first
+        )
+        return "waiting" if waited >= ttft / 2 else "running"
+    if any(g > req.slo.tbt_s for g in gaps):
+        return "rotary" if req.num_rotations else "running"
+    return None

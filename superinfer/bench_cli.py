@@ -1,0 +1,25 @@
+"""`superinfer bench …`: benchmark commands. Each prints a table and can write JSON."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# subcommand -> (module, help). Each module has `add_arguments(p)` and `run(args) -> int`.
+BENCHES = {
+    "engine": ("superinfer.bench.engine", "decode throughput and TTFT vs transformers"),
+    "sched": ("superinfer.bench.sched", "cost of one scheduling decision"),
+}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks")
+    bsub = p.add_subparsers(dest="bench", required=True)
+    for name, (module, help_text) in BENCHES.items():
+        bp = bsub.add_parser(name, help=help_text)
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        mod.add_arguments(bp)
+        bp.set_defaults(func=mod.run)

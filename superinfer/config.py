@@ -1,0 +1,102 @@
+"""Engine configuration shared by `superinfer generate`, the services and the benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+from scheduler_svc.policy import POLICY_NAMES, RotationLimits, VLTParams
+from scheduler_svc.request import SLO
+
+GIB = 1 << 30
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    device_blocks: int | None = None  # None: derived from kv_memory_gib
+    kv_memory_gib: float = 0.5  # device KV budget when device_blocks is not given
+    host_blocks: int | None = None  # None: derived from host_memory_gib
+    host_memory_gib: float = 2.0
+    block_size: int = 16
+    max_batched_tokens: int = 512
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: the model's context length
+    dtype: str = "float32"
+    policy: str = "lvf"
+    alpha: float = 3.0
+    beta_b: float = 0.0
+    beta_f: float = 0.5
+    xfer_budget_blocks: int | None = None  # B_xfer; None = unlimited
+    min_residency: int = 2
+    vlt_margin: float = 0.0
+    eager_budget_blocks: int = 32
+    ttft_slo: float = 5.0
+    tbt_slo: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICY_NAMES)}")
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"--block-size must be in [1, 1024], got {self.block_size}")
+        if self.device_blocks is not None and self.device_blocks < 1:
+            raise ValueError(f"--device-blocks must be at least 1, got {self.device_blocks}")
+        if self.max_batched_tokens < 1:
+            raise ValueError(f"--max-batched-tokens must be at least 1, got {self.max_batched_tokens}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype}")
+        VLTParams(self.alpha, self.beta_b, self.beta_f)  # validates
+        SLO(self.ttft_slo, self.tbt_slo)
+
+    @property
+    def vlt_params(self) -> VLTParams:
+        return VLTParams(self.alpha, self.beta_b, self.beta_f)
+
+    @property
+    def rotation_limits(self) -> RotationLimits:
+        return RotationLimits(self.xfer_budget_blocks, self.min_residency, self.vlt_margin)
+
+    @property
+    def default_slo(self) -> SLO:
+        return SLO(self.ttft_slo, self.tbt_slo)
+
+    def blocks_for(self, block_bytes: int) -> tuple[int, int]:
+        """(device blocks, host blocks) from explicit counts or memory budgets."""
+        dev = self.device_blocks or max(1, int(self.kv_memory_gib * GIB) // block_bytes)
+        host = self.host_blocks
+        if host is None:
+            host = int(self.host_memory_gib * GIB) // block_bytes
+        return dev, host
+
+    # -- command line ------------------------------------------------------------------
+    @staticmethod
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        g = p.add_argument_group("engine")
+        g.add_argument("--model", default=None,
+                       help="a .gguf file or a Hugging Face model dir (default: bundled SmolLM2)")
+        g.add_argument("--device-blocks", type=int, default=None,
+                       help="device KV pool size in blocks (default: from --kv-memory-gib)")
+        g.add_argument("--kv-memory-gib", type=float, default=0.5)
+        g.add_argument("--host-blocks", type=int, default=None,
+                       help="host KV pool size in blocks (default: from --host-memory-gib)")
+        g.add_argument("--host-memory-gib", type=float, default=2.0)
+        g.add_argument("--block-size", type=int, default=16)
+        g.add_argument("--max-batched-tokens", type=int, default=512)
+        g.add_argument("--max-num-seqs", type=int, default=256)
+        g.add_argument("--max-model-len", type=int, default=None)
+        g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        s = p.add_argument_group("scheduling (RotaSched)")
+        s.add_argument("--policy", default="lvf", choices=list(POLICY_NAMES))
+        s.add_argument("--alpha", type=float, default=3.0)
+        s.add_argument("--beta-b", type=float, default=0.0)
+        s.add_argument("--beta-f", type=float, default=0.5)
+        s.add_argument("--xfer-budget-blocks", type=int, default=None, help="B_xfer")
+        s.add_argument("--min-residency", type=int, default=2)
+        s.add_argument("--vlt-margin", type=float, default=0.0)
+        s.add_argument("--eager-budget-blocks", type=int, default=32)
+        s.add_argument("--ttft-slo", type=float, default=5.0, help="default TTFT SLO, seconds")
+        s.add_argument("--tbt-slo", type=float, default=0.1, help="default TBT SLO, seconds")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})

@@ -1,0 +1,191 @@
+"""In-process engine: scheduler + model runner + local copy engine in one process.
+
+This is the composition `superinfer generate` and the benchmarks use; the services wire
+the same scheduler to the worker and kvmem over gRPC instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvmem_svc.copy import LocalCopyEngine
+from scheduler_svc.policy import make_policy
+from scheduler_svc.request import SLO, FinishReason, Request, SamplingParams
+from scheduler_svc.scheduler import RequestEvent, Scheduler, SchedulerConfig
+from superinfer.config import EngineConfig
+from superinfer.errors import ContextLengthError, InvalidRequestError
+from superinfer.modelfile import resolve_model
+from superinfer.output import OutputTracker
+from superinfer.tokenizer import Tokenizer
+from worker.loader import load_weights
+from worker.model import LlamaModel
+from worker.runner import ModelRunner, kv_block_bytes
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    request_id: str
+    prompt: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    metrics: dict[str, object] = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, reuse: LLMEngine | None = None) -> None:
+        """Build the engine; `reuse` shares another engine's loaded model and tokenizer
+        (same model and dtype), so tests and benchmarks can vary pools and policies."""
+        self.config = config
+        dtype = DTYPES[config.dtype]
+        if reuse is not None:
+            self.source, self.tokenizer = reuse.source, reuse.tokenizer
+            model = reuse.runner.model
+        else:
+            self.source = resolve_model(config.model)
+            self.tokenizer = Tokenizer.from_source(self.source)
+            model = LlamaModel(*load_weights(self.source.path, self.source.kind, dtype))
+        mcfg = model.cfg
+        dev, host = config.blocks_for(kv_block_bytes(mcfg, config.block_size, dtype))
+        kv = torch.zeros(
+            (dev, mcfg.num_layers, 2, config.block_size, mcfg.num_kv_heads, mcfg.head_dim),
+            dtype=dtype,
+        )
+        self.runner = ModelRunner(model, kv, config.block_size)
+        self.host_pool = torch.zeros((host, *self.runner.kv.shape[1:]), dtype=dtype)
+        self.copier = LocalCopyEngine(self.runner.kv, self.host_pool)
+        self.max_model_len = min(config.max_model_len or mcfg.max_position, mcfg.max_position)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_device_blocks=dev,
+                num_host_blocks=host,
+                block_size=config.block_size,
+                max_batched_tokens=config.max_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=self.max_model_len,
+                eager_budget_blocks=config.eager_budget_blocks,
+            ),
+            make_policy(config.policy, config.vlt_params, config.rotation_limits),
+        )
+        self.trackers: dict[str, OutputTracker] = {}
+        self._ids = itertools.count()
+        self.transfer_s = 0.0
+        self.execute_s = 0.0
+
+    @property
+    def model_name(self) -> str:
+        return self.source.name
+
+    # -- requests ------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
+        if not prompt:
+            raise InvalidRequestError("prompt is empty")
+        if chat:
+            prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        slo: SLO | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ContextLengthError(
+                f"prompt has {len(prompt_token_ids)} tokens; this model's context is "
+                f"{self.max_model_len} tokens"
+            )
+        rid = request_id or f"req-{next(self._ids)}"
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling=sampling,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            slo=slo or self.config.default_slo,
+            eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+            max_model_len=self.max_model_len,
+        )
+        try:
+            self.scheduler.add_request(req)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        self.trackers[rid] = OutputTracker(self.tokenizer, sampling.stop)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        self.trackers.pop(request_id, None)
+
+    # -- the loop --------------------------------------------------------------------------
+    def step(self) -> list[RequestEvent]:
+        sched = self.scheduler
+        out = sched.schedule()
+        if out.transfers is not None:
+            t0 = time.perf_counter()
+            self.copier.transfer(out.transfers)
+            sched.complete_transfer(out.transfers.fence)
+            self.transfer_s += time.perf_counter() - t0
+        result = self.runner.execute(out.chunks)
+        self.execute_s += result.execute_s
+        events = sched.update_from_output(out, result)
+        for ev in events:
+            tracker = self.trackers.get(ev.request_id)
+            if tracker is None:
+                continue
+            tracker.feed(ev.new_token_ids)
+            if ev.finish_reason is None and tracker.stopped:
+                # A stop string matched in the text: finish here, like an EOS.
+                sched.stop(ev.request_id)
+                ev.finish_reason = FinishReason.STOP
+            if ev.finish_reason is not None:
+                tracker.finish()
+        return events
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
+        texts: list[str] | None = None,
+    ) -> list[GenerationResult]:
+        """Submit every prompt at once (so they batch together) and run to completion."""
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        ids = [self.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
+        done: dict[str, FinishReason] = {}
+        while len(done) < len(ids):
+            for ev in self.step():
+                if ev.finish_reason is not None:
+                    done[ev.request_id] = ev.finish_reason
+        finished = {r.request_id: r for r in self.scheduler.collect_finished()}
+        results = []
+        for i, rid in enumerate(ids):
+            req = finished[rid]
+            tracker = self.trackers.pop(rid)
+            results.append(GenerationResult(
+                request_id=rid,
+                prompt=texts[i] if texts else "",
+                prompt_token_ids=req.prompt_token_ids,
+                text=tracker.text,
+                token_ids=list(req.output_token_ids),
+                finish_reason=done[rid].value,
+                metrics=req.summary(time.monotonic()),
+            ))
+        return results
+
+    def stats(self) -> dict[str, object]:
+        s = self.scheduler.stats.as_dict()
+        s["transfer_s"] = self.transfer_s
+        s["execute_s"] = self.execute_s
+        s["device_blocks"] = self.scheduler.config.num_device_blocks
+        s["host_blocks"] = self.scheduler.config.num_host_blocks
+        s["device_blocks_free"] = self.scheduler.bm.num_free_device
+        s["host_blocks_free"] = self.scheduler.bm.num_free_host
+        return s

@@ -1,0 +1,64 @@
+"""A token-level KV checker for scheduler tests that need no model.
+
+`CheckingExecutor` stores, in each device block slot, the token id whose KV would be
+there, and before sampling reads the request's whole context back through its block
+table. Any wrong block table, lost copy or race between transfers shows up as a context
+that differs from the request's tokens. The next token is a deterministic function of
+the context, so a correct engine produces the same tokens under any schedule.
+"""
+
+from __future__ import annotations
+
+from scheduler_svc.block_manager import TransferPlan
+from scheduler_svc.interfaces import ExecuteResult, ScheduledChunk
+
+VOCAB = 1000
+EMPTY = -1
+
+
+def next_token(context: list[int]) -> int:
+    h = 7
+    for t in context[-8:]:
+        h = (h * 31 + t) % 1_000_003
+    return (h + len(context)) % VOCAB
+
+
+class KVStore:
+    def __init__(self, num_device: int, num_host: int, block_size: int) -> None:
+        self.bs = block_size
+        self.device = [[EMPTY] * block_size for _ in range(num_device)]
+        self.host = [[EMPTY] * block_size for _ in range(num_host)]
+        self.transfers = 0
+        self.blocks_moved = 0
+        self.log: list[tuple[int, int]] = []  # filled by tests: (swap-in blocks, requests)
+
+    def transfer(self, plan: TransferPlan) -> None:
+        self.transfers += 1
+        for d, h in plan.swap_out + plan.eager:
+            self.host[h] = list(self.device[d])
+        for h, d in plan.swap_in:
+            self.device[d] = list(self.host[h])
+        self.blocks_moved += plan.num_blocks
+
+
+class CheckingExecutor:
+    def __init__(self, store: KVStore, truth: dict[str, list[int]]) -> None:
+        self.store = store
+        self.truth = truth  # request_id -> all tokens so far (prompt + output), kept by the test
+
+    def execute(self, chunks: list[ScheduledChunk]) -> ExecuteResult:
+        bs = self.store.bs
+        sampled = {}
+        for c in chunks:
+            for i, tok in enumerate(c.token_ids):
+                p = c.start_pos + i
+                self.store.device[c.block_table[p // bs]][p % bs] = tok
+        for c in chunks:
+            end = c.start_pos + len(c.token_ids)
+            ctx = [self.store.device[c.block_table[p // bs]][p % bs] for p in range(end)]
+            want = self.truth[c.request_id][:end]
+            if ctx != want:
+                raise AssertionError(f"{c.request_id}: KV context differs from its tokens")
+            if c.sample:
+                sampled[c.request_id] = next_token(ctx)
+        return ExecuteResult(sampled=sampled)

@@ -1,0 +1,106 @@
+"""Greedy tokens of the engine equal Hugging Face transformers' on the same GGUF file.
+
+transformers is the reference (fp32 both sides). The same prompts then run batched and
+with a tiny token budget (many prefill chunks): the ids must not change.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from scheduler_svc.request import SamplingParams
+from superinfer.config import EngineConfig
+from superinfer.engine import LLMEngine
+
+NEW_TOKENS = 32
+
+PROMPTS: list[tuple[str, bool]] = [
+    ("Hello", False),
+    ("The capital of France is", False),
+    ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", False),
+    ("Once upon a time, in a land far away, there lived a", False),
+    ("1, 2, 3, 4, 5,", False),
+    ("Translate to French: I love reading books in the evening.", False),
+    ("Le renard brun rapide saute par-dessus le chien paresseux. Ensuite,", False),
+    ("机器学习是人工智能的一个分支，它", False),
+    ("東京は日本の首都です。", False),
+    ("Die Katze sitzt auf der Matte und", False),
+    ("Q: What is 12 * 7?\nA:", False),
+    ("<html>\n  <body>\n    <h1>", False),
+    ("  leading spaces and\ttabs\n\nand blank lines", False),
+    ("A" * 3 + " very long prompt. " + "The quick brown fox jumps over the lazy dog. " * 25,
+     False),
+    ("What is the capital of France?", True),
+    ("Write a haiku about the sea.", True),
+    ("Explain photosynthesis to a five year old.", True),
+    ("List three prime numbers.", True),
+    ("¿Cuál es el río más largo del mundo?", True),
+    ("Summarize: The meeting was moved from Monday to Wednesday because the room was booked.",
+     True),
+]
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return LLMEngine(EngineConfig(device_blocks=512, host_blocks=0))
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(engine: LLMEngine) -> list[list[int]]:
+    return [engine.encode_prompt(p, chat=chat) for p, chat in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(engine: LLMEngine, prompt_ids: list[list[int]]) -> list[list[int]]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    path = engine.source.path
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
+    )
+    model.eval()
+    out = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            x = torch.tensor([ids])
+            g = model.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+            )
+            out.append(g[0, len(ids):].tolist())
+    return out
+
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    return [r.token_ids for r in engine.generate(prompts, _greedy())]
+
+
+def test_one_at_a_time_equals_transformers(
+    engine: LLMEngine, prompt_ids: list[list[int]], hf_reference: list[list[int]]
+) -> None:
+    ours = [_run(engine, [ids])[0] for ids in prompt_ids]
+    mismatches = [i for i, (a, b) in enumerate(zip(ours, hf_reference, strict=True)) if a != b]
+    assert not mismatches, f"prompts differing from transformers: {mismatches}"
+
+
+def test_batched_and_chunked_equal_one_at_a_time(
+    engine: LLMEngine, prompt_ids: list[list[int]], hf_reference: list[list[int]]
+) -> None:
+    batched = _run(engine, prompt_ids)
+    assert batched == hf_reference
+    old = engine.scheduler.config.max_batched_tokens
+    engine.scheduler.config.max_batched_tokens = 7  # many prefill chunks per prompt
+    try:
+        chunked = _run(engine, prompt_ids)
+    finally:
+        engine.scheduler.config.max_batched_tokens = old
+    assert chunked == hf_reference
+    engine.scheduler.check_integrity()
+    assert engine.scheduler.bm.num_free_device == 512

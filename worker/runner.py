@@ -1,0 +1,140 @@
+"""Model runner: owns the model and the device KV pool, executes scheduled batches.
+
+Stateless about requests: every chunk carries its tokens, positions and block table, so a
+restarted worker can pick up any request the scheduler still knows (DESIGN §6).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from scheduler_svc.interfaces import ExecuteResult, ScheduledChunk
+from worker.loader import ModelConfig, load_weights
+from worker.model import AttentionGroup, BatchMeta, LlamaModel
+from worker.sampler import sample_tokens
+
+
+@dataclass(slots=True, frozen=True)
+class KVShape:
+    num_blocks: int
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads,
+                self.head_dim)
+
+    def block_bytes(self, dtype: torch.dtype) -> int:
+        elem = torch.empty(0, dtype=dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return KVShape(1, cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim).block_bytes(dtype)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_pool: torch.Tensor, block_size: int) -> None:
+        if kv_pool.shape[3] != block_size:
+            raise ValueError("KV pool block size does not match")
+        self.model = model
+        self.kv = kv_pool
+        self.block_size = block_size
+
+    @classmethod
+    def load(
+        cls,
+        path: object,
+        kind: str,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        kv_pool: torch.Tensor | None = None,
+    ) -> ModelRunner:
+        cfg, weights = load_weights(path, kind, dtype)  # type: ignore[arg-type]
+        model = LlamaModel(cfg, weights)
+        shape = KVShape(num_blocks, cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim)
+        if kv_pool is None:
+            kv_pool = torch.zeros(shape.shape, dtype=dtype)
+        elif tuple(kv_pool.shape) != shape.shape:
+            raise ValueError(f"KV pool has shape {tuple(kv_pool.shape)}, need {shape.shape}")
+        return cls(model, kv_pool, block_size)
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.cfg
+
+    def build_meta(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, BatchMeta]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        blk: list[int] = []
+        off: list[int] = []
+        logits_rows: list[int] = []
+        groups: list[AttentionGroup] = []
+        decodes: list[tuple[int, ScheduledChunk]] = []
+        prefills: list[tuple[int, ScheduledChunk]] = []
+        for c in chunks:
+            start = len(ids)
+            n = len(c.token_ids)
+            ids.extend(c.token_ids)
+            for p in range(c.start_pos, c.start_pos + n):
+                pos.append(p)
+                blk.append(c.block_table[p // bs])
+                off.append(p % bs)
+            if c.sample:
+                logits_rows.append(start + n - 1)
+            (decodes if n == 1 else prefills).append((start, c))
+        # Decode tokens attend as one padded group; keep them contiguous in the flat batch
+        # by ordering the group's rows through an index (attention writes back by slice).
+        order: list[int] = []
+        if decodes:
+            max_blocks = max(len(c.block_table) for _, c in decodes)
+            tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
+            lens = torch.empty(len(decodes), dtype=torch.long)
+            for i, (_, c) in enumerate(decodes):
+                tables[i, : len(c.block_table)] = torch.tensor(c.block_table)
+                lens[i] = c.start_pos + 1
+            mask = torch.arange(max_blocks * bs)[None, :] < lens[:, None]
+            groups.append(AttentionGroup(0, len(decodes), tables, lens, 0, True,
+                                         mask[:, None, None, :]))
+            order.extend(s for s, _ in decodes)
+        for s, c in prefills:
+            n = len(c.token_ids)
+            q0 = len(order)
+            nb = len(c.block_table)
+            mask = None
+            if c.start_pos > 0:
+                qpos = torch.arange(c.start_pos, c.start_pos + n)[:, None]
+                mask = (torch.arange(nb * bs)[None, :] <= qpos)[None, None]
+            groups.append(AttentionGroup(q0, q0 + n, torch.tensor([c.block_table]),
+                                         torch.tensor([c.start_pos + n]), c.start_pos, False, mask))
+            order.extend(range(s, s + n))
+        perm = torch.tensor(order, dtype=torch.long)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(len(order))
+        meta = BatchMeta(
+            positions=torch.tensor(pos)[perm],
+            slot_blocks=torch.tensor(blk)[perm],
+            slot_offsets=torch.tensor(off)[perm],
+            groups=groups,
+            logits_index=inv[torch.tensor(logits_rows, dtype=torch.long)],
+        )
+        return torch.tensor(ids)[perm], meta
+
+    def execute(self, chunks: list[ScheduledChunk]) -> ExecuteResult:
+        t0 = time.perf_counter()
+        if not chunks:
+            return ExecuteResult(sampled={}, execute_s=0.0)
+        input_ids, meta = self.build_meta(chunks)
+        logits = self.model.forward(input_ids, meta, self.kv)
+        samplers = [c for c in chunks if c.sample]
+        tokens = sample_tokens(logits, samplers)
+        sampled = {c.request_id: t for c, t in zip(samplers, tokens, strict=True)}
+        return ExecuteResult(sampled=sampled, execute_s=time.perf_counter() - t0)
