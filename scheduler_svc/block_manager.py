@@ -65,6 +65,9 @@ class BlockTable:
 
     device: list[int | None] = field(default_factory=list)
     host: list[int | None] = field(default_factory=list)
+    # Blocks before this index have a host copy or were queued for one (eager copies
+    # resume here instead of rescanning the table every iteration).
+    eager_next: int = 0
 
     def __len__(self) -> int:
         return len(self.device)
@@ -118,14 +121,13 @@ class BlockManager:
 
     def device_block_ids(self, req: Request) -> list[int]:
         t = self.tables[req.request_id]
-        ids = [b for b in t.device if b is not None]
-        if len(ids) != len(t.device):
+        if None in t.device:
             raise RuntimeError(f"request {req.request_id} is not fully on the device")
-        return ids
+        return t.device.copy()  # type: ignore[return-value]
 
     def num_device_blocks_of(self, req: Request) -> int:
         t = self.tables.get(req.request_id)
-        return 0 if t is None else sum(b is not None for b in t.device)
+        return 0 if t is None else len(t.device) - t.device.count(None)
 
     def num_synced(self, req: Request) -> int:
         return req.num_computed_tokens // self.block_size
@@ -286,7 +288,8 @@ class BlockManager:
             t = self.tables.get(req.request_id)
             if t is None:
                 continue
-            for i in range(min(self.num_synced(req), len(t))):
+            synced = min(self.num_synced(req), len(t))
+            for i in range(t.eager_next, synced):
                 if n >= budget or self.host.num_free <= host_reserve:
                     return n
                 d = t.device[i]
@@ -295,6 +298,7 @@ class BlockManager:
                     t.host[i] = h
                     plan.eager.append((d, h))
                     n += 1
+                t.eager_next = i + 1
         return n
 
     # -- integrity ---------------------------------------------------------------------------

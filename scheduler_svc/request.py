@@ -65,7 +65,7 @@ class SLO:
             raise InvalidSamplingParams(f"SLOs must be positive, got {self}")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: queues compare requests by object
 class Request:
     request_id: str
     prompt_token_ids: list[int]

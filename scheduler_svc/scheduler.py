@@ -16,6 +16,7 @@ from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.interfaces import ExecuteResult, ScheduledChunk, SchedulerOutput
 from scheduler_svc.policy import Policy
 from scheduler_svc.policy.base import arrival_order
+from scheduler_svc.queue import RequestQueue
 from scheduler_svc.request import FinishReason, Request, RequestState
 
 
@@ -92,9 +93,9 @@ class Scheduler:
         self.clock = clock
         self.bm = BlockManager(config.num_device_blocks, config.num_host_blocks, config.block_size)
         self.requests: dict[str, Request] = {}
-        self.waiting: list[Request] = []
-        self.running: list[Request] = []
-        self.rotary: list[Request] = []
+        self.waiting = RequestQueue()
+        self.running = RequestQueue()
+        self.rotary = RequestQueue()
         self.iteration = 0
         self.stats = SchedulerStats()
         self.finished_log: list[Request] = []  # finished requests not yet collected
@@ -148,8 +149,7 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: FinishReason, now: float) -> None:
         for queue in (self.waiting, self.running, self.rotary):
-            if req in queue:
-                queue.remove(req)
+            queue.discard(req)
         self.bm.free(req)
         req.finish_reason = reason
         req.set_state(RequestState.FINISHED, now)
@@ -164,11 +164,12 @@ class Scheduler:
 
     def everything_fits(self) -> bool:
         """Would every live request, with its next token, fit in device memory at once?"""
-        bm = self.bm
-        total = sum(
-            bm.blocks_for(r.num_tokens + 1) for q in (self.waiting, self.running, self.rotary)
-            for r in q
-        )
+        bs = self.config.block_size
+        total = 0
+        for q in (self.waiting, self.running, self.rotary):
+            # blocks_for(num_tokens + 1), inlined: this runs over every live request.
+            total += sum((len(r.prompt_token_ids) + len(r.output_token_ids) + bs) // bs
+                         for r in q)
         return total <= self.config.num_device_blocks
 
     def schedule(self) -> SchedulerOutput:
@@ -176,18 +177,20 @@ class Scheduler:
         self.iteration += 1
         plan = _Plan(now=self.clock(), budget=self.config.max_batched_tokens)
         self.bm.begin_iteration()
+        self.policy.begin_iteration(plan.now)
         fcfs_mode = self.policy.fcfs_when_fits and self.everything_fits()
 
         order = (
-            arrival_order(self.running)
+            arrival_order(self.running.list())
             if fcfs_mode
-            else self.policy.running_order(self.running, plan.now)
+            else self.policy.running_order(self.running.list(), plan.now)
         )
         self._schedule_running(order, plan)
         self._admit(order, plan, fcfs_mode)
         if self.policy.offload and self.config.eager_budget_blocks and self.bm.host.num_blocks:
             self.stats.eager_blocks += self.bm.eager_copy(
-                self.running, self.config.eager_budget_blocks, self.config.host_reserve_blocks
+                self.running.list(), self.config.eager_budget_blocks,
+                self.config.host_reserve_blocks
             )
         transfers = self.bm.end_iteration()
         if transfers is not None:
@@ -246,9 +249,9 @@ class Scheduler:
         """Bring waiting and rotary requests in, most deserving first (LVF steps 2–3)."""
         bm, policy, limits = self.bm, self.policy, self.policy.limits
         if fcfs_mode:
-            queue = arrival_order(self.rotary + self.waiting)
+            queue = arrival_order(self.rotary.list() + self.waiting.list())
         else:
-            queue = policy.candidates(self.waiting, self.rotary, plan.now)
+            queue = policy.candidates(self.waiting.list(), self.rotary.list(), plan.now)
         victims = [
             r
             for r in reversed(order)
@@ -313,8 +316,10 @@ class Scheduler:
         for v in victims:
             if need <= room:
                 break
-            if v.state is not RequestState.RUNNING or not policy.may_preempt(v, q, plan.now):
+            if v.state is not RequestState.RUNNING:
                 continue
+            if not policy.may_preempt(v, q, plan.now):
+                break  # victims come lowest first: later ones may not be preempted either
             out_cost = bm.swap_out_cost(v) if policy.offload else 0
             if cap is not None and moved and moved + out_cost > cap:
                 continue

@@ -280,6 +280,8 @@ def _open_gguf(path: pathlib.Path) -> Any:
                 return 12 + int(vals.nbytes), [raw_itype, alen, vals], [2], [
                     GGUFValueType.ARRAY, itype]
             buf = self._si_plain
+            if int(alen[0]) * 8 > len(buf) - start:
+                raise ValueError("string array runs past the end of the file")
             fmt = ">Q" if self.byte_order == "S" and sys.byteorder == "little" else "<Q"
             offs = start
             for _ in range(int(alen[0])):
@@ -292,7 +294,7 @@ def _open_gguf(path: pathlib.Path) -> Any:
 
     try:
         return _FastReader(str(path), "r")
-    except Exception:
+    except (AttributeError, TypeError, NameError):  # gguf internals changed
         return GGUFReader(str(path), "r")
 
 
@@ -465,7 +467,13 @@ def _load_gguf(path: pathlib.Path, dtype: torch.dtype) -> tuple[ModelConfig, dic
         ) from e
 
     tensors = {t.name: t for t in reader.tensors}
-    cfg = _gguf_config(reader, path, tensors)
+    try:
+        cfg = _gguf_config(reader, path, tensors)
+    except (TypeError, ValueError, OverflowError, ZeroDivisionError) as e:
+        raise ModelLoadError(
+            f"model {where}: GGUF metadata has a bad value ({_first_line(e)}); "
+            "the file is corrupt — re-download it"
+        ) from e
 
     from gguf import quants
 
@@ -511,8 +519,9 @@ def _load_gguf(path: pathlib.Path, dtype: torch.dtype) -> tuple[ModelConfig, dic
                 ) from e
         if arr.dtype != np.float32:
             arr = arr.astype(np.float32)
-        elif not arr.flags.writeable or not arr.flags.c_contiguous or not arr.flags.owndata:
+        elif np.may_share_memory(arr, t.data) or not arr.flags.writeable:
             arr = np.array(arr, dtype=np.float32, order="C")  # detach from the file mapping
+        arr = np.ascontiguousarray(arr)
         return std, _finish(torch.from_numpy(arr), dtype)
 
     workers = max(1, min(4, os.cpu_count() or 1))

@@ -30,6 +30,9 @@ class Policy(ABC):
     no_swap_in_after_preemption: bool = False
     limits: RotationLimits = RotationLimits()
 
+    def begin_iteration(self, now: float) -> None:
+        """Called once at the start of every schedule(); policies may cache per iteration."""
+
     @abstractmethod
     def candidates(self, waiting: list[Request], rotary: list[Request], now: float) -> list[Request]:
         """Requests to bring onto the device, most deserving first."""
@@ -39,7 +42,10 @@ class Policy(ABC):
         """Running requests, most deserving first; preemption victims come from the tail."""
 
     def may_preempt(self, victim: Request, candidate: Request, now: float) -> bool:
-        """May `victim` be rotated out to make room for `candidate` (proactive preemption)?"""
+        """May `victim` be rotated out to make room for `candidate` (proactive preemption)?
+
+        Victims are offered from the tail of `running_order`; once one may not be
+        preempted, no later one may either (the scheduler stops asking)."""
         return False
 
 

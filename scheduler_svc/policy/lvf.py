@@ -16,13 +16,18 @@ class LVFPolicy(Policy):
         self.params = params
         self.limits = limits
 
+    def _order(self, reqs: list[Request], now: float) -> list[Request]:
+        # Highest VLT first, ties to the earlier arrival. Keys are computed once per call
+        # and sorted in C: this runs over every live request each iteration.
+        keys = [(-vlt(r, now, self.params), r.arrival_time) for r in reqs]
+        return [reqs[i] for i in sorted(range(len(reqs)), key=keys.__getitem__)]
+
     def candidates(self, waiting: list[Request], rotary: list[Request], now: float) -> list[Request]:
-        # Ties (equal VLT) go to the earlier arrival so the order is deterministic.
-        return sorted(waiting + rotary, key=lambda r: (-vlt(r, now, self.params), r.arrival_time))
+        return self._order(waiting + rotary, now)
 
     def running_order(self, running: list[Request], now: float) -> list[Request]:
-        # Highest VLT first; the tail (lowest VLT: ran longest since admission) is preempted.
-        return sorted(running, key=lambda r: (-vlt(r, now, self.params), r.arrival_time))
+        # The tail (lowest VLT: ran longest since admission) is preempted first.
+        return self._order(running, now)
 
     def may_preempt(self, victim: Request, candidate: Request, now: float) -> bool:
         v = vlt(victim, now, self.params)

@@ -27,12 +27,14 @@ class VLTParams:
 
 def vlt(req: Request, now: float, p: VLTParams) -> float:
     """The request's Virtual Lag Time at `now`, using the request's own SLOs."""
+    slo = req.slo
     if req.state is RequestState.RUNNING:
         start = req.run_start_time if req.run_start_time is not None else now
-        return -(now - start) / (p.alpha * req.slo.tbt_s)
-    if req.last_token_time is None:
+        return -(now - start) / (p.alpha * slo.tbt_s)
+    last = req.last_token_time
+    if last is None:
         # No token yet: lag against the TTFT budget since arrival.
-        return (now - req.arrival_time) / req.slo.ttft_s - (1.0 - p.beta_b)
+        return (now - req.arrival_time) / slo.ttft_s - (1.0 - p.beta_b)
     # Rotary (or recomputing after a preemption): lag against the TBT budget since the
     # last token, weighted by alpha.
-    return p.alpha * ((now - req.last_token_time) / req.slo.tbt_s - (1.0 - p.beta_f))
+    return p.alpha * ((now - last) / slo.tbt_s - (1.0 - p.beta_f))

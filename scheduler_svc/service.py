@@ -1,0 +1,212 @@
+"""The scheduler's gRPC service (proto Scheduler): the engine core behind the gateway.
+
+Thin by design: it validates and translates messages, and `ServingLoop` does the work.
+At start it learns everything pool-related from its peers — block size and device blocks
+from the worker (which owns the pool), host blocks from kvmem — so the flags that size
+memory live in one place each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+
+from proto import scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc.loop import ServingLoop
+from scheduler_svc.policy import make_policy
+from scheduler_svc.remote import RemoteKVMem, RemoteWorker, wait_serving
+from scheduler_svc.request import SLO, InvalidSamplingParams, Request, SamplingParams
+from scheduler_svc.scheduler import Scheduler
+from superinfer.config import EngineConfig
+from superinfer.daemon import Daemon, run_daemon
+from superinfer.modelfile import resolve_model
+from superinfer.tokenizer import Tokenizer
+
+log = structlog.get_logger()
+
+
+class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, config: EngineConfig, worker_addr: str, kvmem_addr: str) -> None:
+        self.config = config
+        self.worker_addr = worker_addr
+        self.kvmem_addr = kvmem_addr
+        self.worker: RemoteWorker | None = None
+        self.kvmem: RemoteKVMem | None = None
+        self.loop: ServingLoop | None = None
+        self.info = scheduler_pb2.ModelInfo()
+        self.eos_token_ids: tuple[int, ...] = ()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self, connect_timeout_s: float) -> None:
+        """Reach the worker and kvmem, build the scheduler from their pools, start the loop."""
+        # Channels belong to the running event loop: made here, not in __init__.
+        self.worker = worker = RemoteWorker(self.worker_addr)
+        self.kvmem = kvmem = RemoteKVMem(self.kvmem_addr)
+        await wait_serving(worker.channel, f"worker at {worker.addr}", connect_timeout_s)
+        await wait_serving(kvmem.channel, f"kvmem at {kvmem.addr}", connect_timeout_s)
+        info = await worker.model_info()
+        handle = await worker.kv_pool()
+        attached = await kvmem.attach(handle)
+        # EOS ids come from the tokenizer, read from the same files the worker loaded.
+        source = resolve_model(info.source_path)
+        tokenizer = await asyncio.to_thread(Tokenizer.from_source, source)
+        self.eos_token_ids = tuple(tokenizer.eos_token_ids)
+
+        cfg = dataclasses.replace(self.config, block_size=int(handle.shape[3]))
+        sched_cfg = cfg.scheduler_config(int(handle.shape[0]), attached.host_blocks,
+                                         info.max_model_len)
+        scheduler = Scheduler(
+            sched_cfg, make_policy(cfg.policy, cfg.vlt_params, cfg.rotation_limits)
+        )
+        self.info = scheduler_pb2.ModelInfo()
+        self.info.CopyFrom(info)
+        self.info.max_model_len = sched_cfg.max_model_len
+        self.info.block_size = sched_cfg.block_size
+        self.loop = ServingLoop(scheduler, worker, kvmem, handle.pool_id)
+        self._task = asyncio.create_task(self.loop.run(), name="iteration-loop")
+        log.info("connected", model=info.name, device_blocks=sched_cfg.num_device_blocks,
+                 host_blocks=sched_cfg.num_host_blocks, block_size=sched_cfg.block_size,
+                 max_model_len=sched_cfg.max_model_len, policy=cfg.policy,
+                 pool_id=handle.pool_id, eos_token_ids=list(self.eos_token_ids))
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for client in (self.worker, self.kvmem):
+            if client is not None:
+                await client.close()
+
+    async def _serving(self, context: grpc.aio.ServicerContext) -> ServingLoop:
+        if self.loop is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is still starting")
+            raise RuntimeError("not reached: abort raises")
+        return self.loop
+
+    # -- gRPC ------------------------------------------------------------------------------
+    async def Generate(
+        self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+        loop = await self._serving(context)
+        rid = request.request_id or f"req-{uuid.uuid4().hex}"
+        if loop.knows(rid):
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is in use")
+        try:
+            queue = loop.submit(self._request(rid, request, loop.scheduler.clock()))
+        except (InvalidSamplingParams, ValueError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        n_prompt = len(request.prompt_token_ids)
+        try:
+            while True:
+                ev = await queue.get()
+                yield scheduler_pb2.TokenEvent(
+                    request_id=rid,
+                    token_ids=ev.token_ids,
+                    finish_reason=ev.finish_reason or "",
+                    prompt_tokens=n_prompt,
+                    output_tokens=ev.output_tokens,
+                    summary_json=json.dumps(ev.summary) if ev.summary is not None else "",
+                )
+                if ev.finish_reason:
+                    return
+        finally:
+            # Normal end: a no-op. Client cancelled (CancelledError lands here): abort now,
+            # so the request's blocks return to the pool this very moment.
+            loop.drop(rid)
+
+    def _request(self, rid: str, m: scheduler_pb2.GenerateRequest, now: float) -> Request:
+        """A scheduler Request from the message, or ValueError saying what is wrong."""
+        ids = list(m.prompt_token_ids)
+        if not ids:
+            raise ValueError("prompt is empty: give at least one prompt token")
+        vocab = self.info.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        s = m.sampling
+        sampling = SamplingParams(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p or 1.0,  # proto3's 0 means "not set"; top_p=0 is meaningless anyway
+            top_k=s.top_k,
+            seed=s.seed if s.HasField("seed") else None,
+            stop_token_ids=tuple(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+        )
+        default = self.config.default_slo
+        ttft, tbt = m.slo.ttft_s or default.ttft_s, m.slo.tbt_s or default.tbt_s
+        if not (math.isfinite(ttft) and math.isfinite(tbt)):
+            raise ValueError(f"SLOs must be finite, got ttft_s={ttft}, tbt_s={tbt}")
+        return Request(
+            request_id=rid,
+            prompt_token_ids=ids,
+            sampling=sampling,
+            arrival_time=now,
+            slo=SLO(ttft, tbt),
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.info.max_model_len,
+        )
+
+    async def Abort(
+        self, request: scheduler_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.AbortReply:
+        loop = await self._serving(context)
+        reason = request.reason or "abort"
+        found = loop.finish(request.request_id, reason)
+        log.info("abort", request_id=request.request_id, reason=reason, found=found)
+        return scheduler_pb2.AbortReply(found=found)
+
+    async def GetStats(
+        self, request: scheduler_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.StatsReply:
+        loop = await self._serving(context)
+        s = loop.scheduler
+        counters = {k: float(v) for k, v in s.stats.as_dict().items()}
+        counters.update(loop.stats.as_dict())
+        return scheduler_pb2.StatsReply(
+            waiting=len(s.waiting),
+            running=len(s.running),
+            rotary=len(s.rotary),
+            device_blocks_total=s.config.num_device_blocks,
+            device_blocks_free=s.bm.num_free_device,
+            host_blocks_total=s.config.num_host_blocks,
+            host_blocks_free=s.bm.num_free_host,
+            counters=counters,
+        )
+
+    async def GetModelInfo(
+        self, request: scheduler_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ModelInfo:
+        await self._serving(context)
+        return self.info
+
+
+class SchedulerDaemon(Daemon):
+    name = "scheduler"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.connect_timeout_s = args.connect_timeout
+        self.service = SchedulerService(
+            EngineConfig.from_args(args), args.worker_addr, args.kvmem_addr
+        )
+
+    def register(self, server: grpc.aio.Server) -> None:
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(self.service, server)
+
+    async def start(self) -> None:
+        await self.service.start(self.connect_timeout_s)
+
+    async def stop(self) -> None:
+        await self.service.stop()
+
+
+def main(args: argparse.Namespace) -> int:
+    return run_daemon(SchedulerDaemon(args), args)

@@ -1,0 +1,1 @@
+"""Benchmark commands (`superinfer bench …`): each prints a table and can write JSON."""
