@@ -89,10 +89,7 @@ def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
 def _read_gguf_metadata(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
     del size, mtime_ns  # only part of the cache key: a rewritten file is read again
     try:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(path, "r")
-        return {name: _field_value(field) for name, field in reader.fields.items()}
+        return _parse_metadata(path)
     except Exception as e:  # any parse failure means the file is unusable
         detail = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ModelLoadError(
@@ -101,22 +98,66 @@ def _read_gguf_metadata(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
         ) from e
 
 
-def _field_value(field: Any) -> Any:
-    """Decode one ``gguf.ReaderField``; strings tolerate invalid UTF-8 (rare, in vocabularies)."""
-    from gguf import GGUFValueType
+# GGUF metadata value types (the GGUF spec): struct format per scalar type.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+            12: "d"}
+_STRING, _ARRAY = 8, 9
 
-    if not field.types:
-        return None
 
-    def text(part: Any) -> str:
-        return bytes(part.tobytes()).decode("utf-8", errors="replace")
+def _parse_metadata(path: str) -> dict[str, Any]:
+    """Read the key/value header of a GGUF file (v2/v3, little endian) with `struct`.
 
-    main = field.types[0]
-    if main == GGUFValueType.ARRAY:
-        sub = field.types[-1]
-        if sub == GGUFValueType.STRING:
-            return [text(field.parts[i]) for i in field.data]
-        return [v for i in field.data for v in field.parts[i].tolist()]
-    if main == GGUFValueType.STRING:
-        return text(field.parts[-1])
-    return field.parts[-1].tolist()[0]
+    gguf.GGUFReader builds numpy views for each of the ~100k vocabulary strings, which
+    costs seconds per process; the header is a simple format, read here in well under a
+    second. Tensors are still read by gguf.GGUFReader (worker/loader.py).
+    """
+    import mmap
+    import struct
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ValueError("bad magic (not a GGUF file)")
+        version, _n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+        if version not in (2, 3):
+            raise ValueError(f"unsupported GGUF version {version}")
+        pos = 24
+
+        def read_str() -> str:
+            nonlocal pos
+            (n,) = struct.unpack_from("<Q", buf, pos)
+            if pos + 8 + n > len(buf):
+                raise ValueError("string runs past the end of the file")
+            out = buf[pos + 8 : pos + 8 + n].decode("utf-8", errors="replace")
+            pos += 8 + n
+            return out
+
+        def read_value(vtype: int) -> Any:
+            nonlocal pos
+            if vtype == _STRING:
+                return read_str()
+            if vtype == _ARRAY:
+                itype, count = struct.unpack_from("<IQ", buf, pos)
+                pos += 12
+                if itype in _SCALARS:
+                    fmt = _SCALARS[itype]
+                    size = struct.calcsize(fmt) * count
+                    if pos + size > len(buf):
+                        raise ValueError("array runs past the end of the file")
+                    vals = list(struct.unpack_from(f"<{count}{fmt}", buf, pos))
+                    pos += size
+                    return vals
+                return [read_value(itype) for _ in range(count)]
+            fmt = _SCALARS.get(vtype)
+            if fmt is None:
+                raise ValueError(f"unknown metadata value type {vtype}")
+            (v,) = struct.unpack_from("<" + fmt, buf, pos)
+            pos += struct.calcsize(fmt)
+            return v
+
+        out: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = read_str()
+            (vtype,) = struct.unpack_from("<I", buf, pos)
+            pos += 4
+            out[key] = read_value(vtype)
+        return out

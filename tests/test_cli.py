@@ -1,0 +1,55 @@
+"""`superinfer generate` on bad input: one clear line on stderr, non-zero exit, no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def generate(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "superinfer.cli", "generate", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prompt", ""], "prompt is empty"),
+        (["--prompt", "hi", "--max-tokens", "0"], "max_tokens must be at least 1"),
+        (["--prompt", "hi", "--max-tokens", "-5"], "max_tokens must be at least 1"),
+        (["--prompt", "hi", "--model", "/nonexistent/model.gguf"], "not found"),
+        (["--prompt", "hi", "--temperature", "-1"], "temperature"),
+        (["--prompt", "hi", "--device-blocks", "0"], "--device-blocks"),
+        (["--prompts-file", "/nonexistent/prompts.txt"], "not found"),
+        ([], "give --prompt"),
+    ],
+)
+def test_bad_input_is_one_clear_line(args: list[str], message: str) -> None:
+    p = generate(*args)
+    assert p.returncode != 0
+    assert "Traceback" not in p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], p.stderr
+
+
+def test_corrupt_model_file(tmp_path: Path) -> None:
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + bytes(range(256)) * 40)
+    p = generate("--prompt", "hi", "--model", str(bad))
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert "broken.gguf" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_prompt_longer_than_context() -> None:
+    p = generate("--prompt", "hello " * 9000, "--max-tokens", "4")
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert "context" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_generate_prints_text() -> None:
+    p = generate("--prompt", "What is the capital of France?", "--chat", "--max-tokens", "12")
+    assert p.returncode == 0, p.stderr
+    assert "Paris" in p.stdout
