@@ -101,6 +101,10 @@ class BlockManager:
         self._pending_device: dict[int, list[int]] = {}
         self._pending_host: dict[int, list[int]] = {}
         self._open: TransferPlan | None = None
+        # Device blocks this iteration's D2H copies read. One of them handed to compute and
+        # released again before the plan closes must not reach the free list: a swap-in of
+        # the same iteration could get it and write it while the D2H copy still reads it.
+        self._open_busy: set[int] = set()
         self._next_fence = 1
         self._eager_queue: deque[str] = deque()
 
@@ -140,6 +144,7 @@ class BlockManager:
     def end_iteration(self) -> TransferPlan | None:
         """Close the iteration's plan; None when it moves nothing (its fence is released)."""
         plan, self._open = self._open, None
+        self._open_busy.clear()
         if plan is None:
             return None
         if not plan:
@@ -151,6 +156,17 @@ class BlockManager:
         if self._open is None:
             raise RuntimeError("block moves need begin_iteration() first")
         return self._open
+
+    def _release_device(self, blocks: list[int]) -> None:
+        """Return device blocks: to the free list, or to the open fence if a D2H reads them."""
+        if not self._open_busy:
+            self.device.free(blocks)
+            return
+        for b in blocks:
+            if b in self._open_busy:
+                self._pending_device[self._plan().fence].append(b)
+            else:
+                self.device.free([b])
 
     def complete(self, fence: int) -> None:
         """A transfer batch finished: blocks it held become reusable."""
@@ -189,13 +205,27 @@ class BlockManager:
         t.device.extend(new)
         t.host.extend([None] * n)
 
+    def try_grow(self, req: Request, num_new_tokens: int) -> bool:
+        """Check-and-act for a running request (all blocks on the device): the hot path of
+        every iteration, so one table lookup instead of the general checks."""
+        t = self.tables.get(req.request_id)
+        have = 0 if t is None else len(t.device)
+        n = (req.num_computed_tokens + num_new_tokens + self.block_size - 1) // self.block_size
+        n -= have
+        if n <= 0:
+            return True
+        if n > self.num_free_for_compute:
+            return False
+        self.allocate(req, num_new_tokens)
+        return True
+
     # -- release ---------------------------------------------------------------------------
     def free(self, req: Request) -> None:
         """Finished or aborted: every block of the request goes back (fences respected)."""
         t = self.tables.pop(req.request_id, None)
         if t is None:
             return
-        self.device.free([b for b in t.device if b is not None])
+        self._release_device([b for b in t.device if b is not None])
         self.host.free([b for b in t.host if b is not None])
 
     def drop_to_recompute(self, req: Request) -> None:
@@ -211,7 +241,7 @@ class BlockManager:
         extra_dev = [b for b in t.device[keep:] if b is not None]
         extra_host = [b for b in t.host[keep:] if b is not None]
         del t.device[keep:], t.host[keep:]
-        self.device.free(extra_dev)
+        self._release_device(extra_dev)
         self.host.free(extra_host)
 
     def swap_out_cost(self, req: Request) -> int:
@@ -237,18 +267,20 @@ class BlockManager:
         pending = self._pending_device.setdefault(plan.fence, [])
         copied = freed = 0
         missing = [i for i, h in enumerate(t.host) if h is None]
+        to_copy = set(missing)
         hosts = self.host.allocate(len(missing))
         for i, h in zip(missing, hosts, strict=True):
             t.host[i] = h
         for i, d in enumerate(t.device):
             if d is None:
                 continue
-            if i in missing:
+            if i in to_copy:
                 plan.swap_out.append((d, t.host[i]))  # type: ignore[arg-type]
                 pending.append(d)  # reusable once the copy has read it
+                self._open_busy.add(d)
                 copied += 1
             else:
-                self.device.free([d])
+                self._release_device([d])
                 freed += 1
             t.device[i] = None
         return copied, freed

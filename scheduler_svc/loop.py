@@ -112,7 +112,7 @@ class ServingLoop:
                 if self._stale:
                     await self._reattach()
                 busy = await self.step()
-            except Exception as e:  # noqa: BLE001 - the loop must outlive any one iteration
+            except Exception as e:  # the loop must outlive any one failed iteration
                 self._fail_all(e)
                 await asyncio.sleep(0.5)  # a peer is restarting; don't hammer it
                 continue

@@ -164,20 +164,23 @@ class Scheduler:
 
     def everything_fits(self) -> bool:
         """Would every live request, with its next token, fit in device memory at once?"""
-        bs = self.config.block_size
+        bs, cap = self.config.block_size, self.config.num_device_blocks
+        if len(self.waiting) + len(self.running) + len(self.rotary) > cap:
+            return False  # every request needs at least one block
         total = 0
-        for q in (self.waiting, self.running, self.rotary):
-            # blocks_for(num_tokens + 1), inlined: this runs over every live request.
-            total += sum((len(r.prompt_token_ids) + len(r.output_token_ids) + bs) // bs
-                         for r in q)
-        return total <= self.config.num_device_blocks
+        for q in (self.running, self.rotary, self.waiting):
+            for r in q:
+                # blocks_for(num_tokens + 1), inlined: this may run over every live request.
+                total += (len(r.prompt_token_ids) + len(r.output_token_ids) + bs) // bs
+                if total > cap:
+                    return False
+        return True
 
     def schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
         self.iteration += 1
         plan = _Plan(now=self.clock(), budget=self.config.max_batched_tokens)
         self.bm.begin_iteration()
-        self.policy.begin_iteration(plan.now)
         fcfs_mode = self.policy.fcfs_when_fits and self.everything_fits()
 
         order = (
@@ -230,18 +233,17 @@ class Scheduler:
                 if plan.budget <= 0:
                     break
                 continue
-            while not bm.can_allocate(req, n):
+            while not bm.try_grow(req, n):
                 victim = next(
                     (v for v in reversed(order[i + 1 :]) if v.state is RequestState.RUNNING),
                     None,
                 )
                 if victim is None:
+                    self._preempt(req, plan)
                     break
                 self._preempt(victim, plan)
-            if not bm.can_allocate(req, n):
-                self._preempt(req, plan)
+            if req.state is not RequestState.RUNNING:
                 continue
-            bm.allocate(req, n)
             plan.tokens[req.request_id] = n
             plan.budget -= n
 

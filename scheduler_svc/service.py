@@ -169,7 +169,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     ) -> scheduler_pb2.StatsReply:
         loop = await self._serving(context)
         s = loop.scheduler
-        counters = {k: float(v) for k, v in s.stats.as_dict().items()}
+        counters = {k: float(v) for k, v in s.stats.as_dict().items()
+                    if isinstance(v, int | float)}
         counters.update(loop.stats.as_dict())
         return scheduler_pb2.StatsReply(
             waiting=len(s.waiting),

@@ -9,6 +9,9 @@ import importlib
 BENCHES = {
     "engine": ("superinfer.bench.engine", "decode throughput and TTFT vs transformers"),
     "sched": ("superinfer.bench.sched", "cost of one scheduling decision"),
+    "transfer": ("superinfer.bench.transfer", "KV block transfer GB/s per DuplexKV mode vs raw"),
+    "overhead": ("superinfer.bench.serve_overhead",
+                 "decode throughput through the services vs in-process"),
 }
 
 

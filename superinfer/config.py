@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 
 from scheduler_svc.policy import POLICY_NAMES, RotationLimits, VLTParams
 from scheduler_svc.request import SLO
+from scheduler_svc.scheduler import SchedulerConfig
 
 GIB = 1 << 30
 
@@ -59,6 +60,20 @@ class EngineConfig:
     @property
     def default_slo(self) -> SLO:
         return SLO(self.ttft_slo, self.tbt_slo)
+
+    def scheduler_config(
+        self, num_device_blocks: int, num_host_blocks: int, model_max_len: int
+    ) -> SchedulerConfig:
+        """The scheduler core's settings once the pools and the model's context are known."""
+        return SchedulerConfig(
+            num_device_blocks=num_device_blocks,
+            num_host_blocks=num_host_blocks,
+            block_size=self.block_size,
+            max_batched_tokens=self.max_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=min(self.max_model_len or model_max_len, model_max_len),
+            eager_budget_blocks=self.eager_budget_blocks,
+        )
 
     def blocks_for(self, block_bytes: int) -> tuple[int, int]:
         """(device blocks, host blocks) from explicit counts or memory budgets."""

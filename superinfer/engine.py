@@ -15,7 +15,7 @@ import torch
 from kvmem_svc.copy import LocalCopyEngine
 from scheduler_svc.policy import make_policy
 from scheduler_svc.request import SLO, FinishReason, Request, SamplingParams
-from scheduler_svc.scheduler import RequestEvent, Scheduler, SchedulerConfig
+from scheduler_svc.scheduler import RequestEvent, Scheduler
 from superinfer.config import EngineConfig
 from superinfer.errors import ContextLengthError, InvalidRequestError
 from superinfer.modelfile import resolve_model
@@ -63,15 +63,7 @@ class LLMEngine:
         self.copier = LocalCopyEngine(self.runner.kv, self.host_pool)
         self.max_model_len = min(config.max_model_len or mcfg.max_position, mcfg.max_position)
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                num_device_blocks=dev,
-                num_host_blocks=host,
-                block_size=config.block_size,
-                max_batched_tokens=config.max_batched_tokens,
-                max_num_seqs=config.max_num_seqs,
-                max_model_len=self.max_model_len,
-                eager_budget_blocks=config.eager_budget_blocks,
-            ),
+            config.scheduler_config(dev, host, mcfg.max_position),
             make_policy(config.policy, config.vlt_params, config.rotation_limits),
         )
         self.trackers: dict[str, OutputTracker] = {}

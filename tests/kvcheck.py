@@ -34,6 +34,15 @@ class KVStore:
 
     def transfer(self, plan: TransferPlan) -> None:
         self.transfers += 1
+        read = {d for d, _ in plan.swap_out + plan.eager}
+        written = {d for _, d in plan.swap_in}
+        if read & written:
+            raise AssertionError(f"fence {plan.fence}: device blocks {read & written} are "
+                                 "read by D2H and written by H2D in the same batch")
+        host_written = {h for _, h in plan.swap_out + plan.eager}
+        host_read = {h for h, _ in plan.swap_in}
+        if host_written & host_read:
+            raise AssertionError(f"fence {plan.fence}: host blocks written and read at once")
         for d, h in plan.swap_out + plan.eager:
             self.host[h] = list(self.device[d])
         for h, d in plan.swap_in:

@@ -62,15 +62,19 @@ def hf_reference(engine: LLMEngine, prompt_ids: list[list[int]]) -> list[list[in
         str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
     )
     model.eval()
+    # No EOS for the reference: it must run all NEW_TOKENS steps like ours with ignore_eos
+    # (min_new_tokens would instead mask EOS out of the logits and change the argmax).
+    model.generation_config.eos_token_id = None
     out = []
     with torch.inference_mode():
         for ids in prompt_ids:
             x = torch.tensor([ids])
             g = model.generate(
                 x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                do_sample=False, pad_token_id=0,
             )
             out.append(g[0, len(ids):].tolist())
+    assert all(len(o) == NEW_TOKENS for o in out)
     return out
 
 

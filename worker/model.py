@@ -146,18 +146,30 @@ class LlamaModel:
                 is_causal=True, scale=self.scale, enable_gqa=True,
             )
             return o[0].transpose(0, 1)
-        # Gather each request's blocks of this layer: [B, nb, 2, bs, Hkv, hd]
-        blocks = kv[g.block_tables, layer]
-        B, nb, _, bs, hkv, hd = blocks.shape
-        kk = blocks[:, :, 0].reshape(B, nb * bs, hkv, hd).transpose(1, 2).to(q.dtype)
-        vv = blocks[:, :, 1].reshape(B, nb * bs, hkv, hd).transpose(1, 2).to(q.dtype)
+        # Gather each request's cached K and V of this layer through its block table:
+        # [B, nb, bs, Hkv, hd], contiguous, so the reshape below is free.
+        B, nb = g.block_tables.shape
+        k = kv[:, layer, 0][g.block_tables].view(B, nb * self.block_size_of(kv), *kv.shape[4:])
+        v = kv[:, layer, 1][g.block_tables].view(B, nb * self.block_size_of(kv), *kv.shape[4:])
+        k = k.transpose(1, 2).to(q.dtype)  # [B, Hkv, L, hd]
+        v = v.transpose(1, 2).to(q.dtype)
+        hkv = k.shape[1]
+        grp = q.shape[1] // hkv
+        n = 1 if g.is_decode else q.shape[0]
+        # Fold the query heads that share a KV head into the query axis, so attention runs
+        # per KV head with no copies of K/V for grouped-query attention.
         if g.is_decode:
-            qq = q.unsqueeze(2)  # [B, Hq, 1, hd]
+            qq = q.view(B, hkv, grp, -1)  # [B, Hkv, grp, hd]: row j of group = head h*grp+j
+            mask = g.mask  # [B, 1, 1, L], the same for every folded row
         else:
-            qq = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, hd]
-        o = F.scaled_dot_product_attention(
-            qq, kk, vv, attn_mask=g.mask, scale=self.scale, enable_gqa=True
-        )
+            # [n, Hq, hd] -> [1, Hkv, grp*n, hd]; rows ordered (head-in-group, position)
+            qq = q.view(n, hkv, grp, -1).permute(1, 2, 0, 3).reshape(1, hkv, grp * n, -1)
+            mask = None if g.mask is None else g.mask.repeat(1, 1, grp, 1)
+        o = F.scaled_dot_product_attention(qq, k, v, attn_mask=mask, scale=self.scale)
         if g.is_decode:
-            return o.squeeze(2)  # [B, Hq, hd]
-        return o[0].transpose(0, 1)
+            return o.reshape(B, hkv * grp, -1)  # [B, Hq, hd]
+        return o.view(hkv, grp, n, -1).permute(2, 0, 1, 3).reshape(n, hkv * grp, -1)
+
+    @staticmethod
+    def block_size_of(kv: torch.Tensor) -> int:
+        return kv.shape[3]

@@ -30,9 +30,6 @@ class Policy(ABC):
     no_swap_in_after_preemption: bool = False
     limits: RotationLimits = RotationLimits()
 
-    def begin_iteration(self, now: float) -> None:
-        """Called once at the start of every schedule(); policies may cache per iteration."""
-
     @abstractmethod
     def candidates(self, waiting: list[Request], rotary: list[Request], now: float) -> list[Request]:
         """Requests to bring onto the device, most deserving first."""

@@ -65,13 +65,16 @@ def _hf(model: Any, prompts: list[list[int]], new: int) -> tuple[float, float]:
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
+    # EOS off (not min_new_tokens, which adds a logits processor) so both sides do the
+    # same work per step.
+    model.generation_config.eos_token_id = None
     kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0)
     with torch.inference_mode():
         t0 = time.monotonic()
-        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        model.generate(ids, max_new_tokens=1, **kw)
         ttft = time.monotonic() - t0
         t0 = time.monotonic()
-        model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
+        model.generate(ids, max_new_tokens=new, **kw)
         total = time.monotonic() - t0
     decode_tokens = len(prompts) * (new - 1)
     return ttft, decode_tokens / max(total - ttft, 1e-9)

@@ -1,0 +1,70 @@
+"""The gateway's process-wide state, shared by the REST routes and the client gRPC API."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from gateway.backend import ModelState, SchedulerBackend
+from gateway.errors import APIError
+from gateway.generation import ActiveRequests, Generation
+from gateway.metrics import GatewayMetrics
+from proto import common_pb2, scheduler_pb2
+
+
+@dataclass(slots=True)
+class GatewaySettings:
+    scheduler_addr: str = "127.0.0.1:50051"
+    host: str = "127.0.0.1"
+    grpc_port: int = 50050  # 0: no client gRPC API
+    served_model_name: str | None = None
+    api_key: str | None = None
+    rpc_timeout_s: float = 5.0
+    request_timeout_s: float | None = None  # deadline of one Generate stream; None: none
+
+
+@dataclass(slots=True)
+class GatewayContext:
+    settings: GatewaySettings
+    backend: SchedulerBackend
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    active: ActiveRequests = field(default_factory=ActiveRequests)
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def create(cls, settings: GatewaySettings) -> GatewayContext:
+        backend = SchedulerBackend(
+            settings.scheduler_addr,
+            served_model_name=settings.served_model_name,
+            rpc_timeout_s=settings.rpc_timeout_s,
+            generate_timeout_s=settings.request_timeout_s,
+        )
+        return cls(settings=settings, backend=backend)
+
+    def check_model(self, requested: str | None, model: ModelState) -> None:
+        """Clients may omit the model (as vLLM allows); a wrong name is a 404."""
+        if requested is not None and requested != model.served_name:
+            raise APIError(
+                404, f"The model '{requested}' does not exist; this server serves "
+                f"'{model.served_name}'",
+                param="model", code="model_not_found",
+            )
+
+    def generation(
+        self,
+        model: ModelState,
+        *,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: common_pb2.SamplingParams,
+        slo: common_pb2.SLO,
+        stop: tuple[str, ...],
+        arrival: float | None,
+    ) -> Generation:
+        request = scheduler_pb2.GenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, slo=slo
+        )
+        return Generation(
+            backend=self.backend, metrics=self.metrics, active=self.active, model=model,
+            request=request, stop=stop, arrival=arrival,
+        )

@@ -1,0 +1,128 @@
+"""The client-facing gRPC API (`proto/client.proto`, service SuperInfer).
+
+It shares validation, tokenization, stop strings and cleanup with the REST routes
+(prompts.py, generation.py) and runs on uvicorn's event loop, so both front doors see
+the same in-flight table: a gRPC Abort can end a REST request by its id and vice versa.
+Proto3 scalars cannot say "not set", so 0 means the default for max_tokens (up to the
+context limit) and top_p (1.0); temperature 0 is greedy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from gateway import prompts
+from gateway.context import GatewayContext
+from gateway.errors import APIError, invalid
+from gateway.generation import Generation
+from gateway.middleware import new_request_id, valid_request_id
+from gateway.openai_schema import MAX_STOP_STRINGS
+from proto import client_pb2, client_pb2_grpc
+
+# A lazy proxy, not get_logger(): a logger bound at import time would keep the default
+# configuration instead of the one configure_logging() installs later.
+log = structlog.get_logger()
+
+
+class SuperInferServicer(client_pb2_grpc.SuperInferServicer):
+    def __init__(self, ctx: GatewayContext) -> None:
+        self._ctx = ctx
+
+    async def Generate(  # noqa: N802 - gRPC method name
+        self, request: client_pb2.ClientGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[client_pb2.ClientGenerateEvent]:
+        request_id = request.request_id or _metadata_request_id(context) or new_request_id()
+        with structlog.contextvars.bound_contextvars(request_id=request_id):
+            try:
+                gen = await self._prepare(request, request_id)
+            except APIError as e:
+                self._ctx.metrics.requests.labels("rejected").inc()
+                await context.abort(e.grpc_code, e.message)
+                return
+            await context.send_initial_metadata((("x-request-id", request_id),))
+            try:
+                async for delta in gen.stream():
+                    yield client_pb2.ClientGenerateEvent(
+                        request_id=request_id,
+                        text=delta.text,
+                        token_ids=delta.token_ids,
+                        finish_reason=delta.finish_reason or "",
+                        prompt_tokens=gen.prompt_tokens,
+                        completion_tokens=gen.completion_tokens,
+                    )
+            except APIError as e:
+                await context.abort(e.grpc_code, e.message)
+
+    async def Abort(  # noqa: N802 - gRPC method name
+        self, request: client_pb2.ClientAbortRequest, context: grpc.aio.ServicerContext
+    ) -> client_pb2.ClientAbortReply:
+        return client_pb2.ClientAbortReply(found=self._ctx.active.abort(request.request_id))
+
+    async def _prepare(self, request: client_pb2.ClientGenerateRequest, request_id: str) -> Generation:
+        if not valid_request_id(request_id):
+            raise invalid("request_id must be 1-128 characters of A-Z a-z 0-9 . _ -", "request_id")
+        ctx = self._ctx
+        model = await ctx.backend.model()
+        ctx.check_model(request.model or None, model)
+        if request.prompt and request.prompt_token_ids:
+            raise invalid("give either prompt or prompt_token_ids, not both", "prompt")
+        if request.prompt:
+            ids = model.tokenizer.encode(request.prompt)
+        else:
+            ids = prompts.check_token_ids(list(request.prompt_token_ids), model.vocab_size, "prompt_token_ids")
+        if len(request.stop) > MAX_STOP_STRINGS:
+            raise invalid(f"at most {MAX_STOP_STRINGS} stop strings are supported", "stop")
+        sp = request.sampling
+        sampling = prompts.sampling_params(
+            prompts.Sampling(
+                max_tokens=sp.max_tokens or None,
+                temperature=sp.temperature,
+                top_p=sp.top_p or None,
+                top_k=sp.top_k,
+                seed=sp.seed if sp.HasField("seed") else None,
+                ignore_eos=sp.ignore_eos,
+            ),
+            prompt_len=len(ids), max_model_len=model.max_model_len,
+        )
+        bad_stop_id = next((t for t in sp.stop_token_ids if not 0 <= t < model.vocab_size), None)
+        if bad_stop_id is not None:
+            raise invalid(f"stop token id {bad_stop_id} is out of range", "stop_token_ids")
+        sampling.stop_token_ids.extend(sp.stop_token_ids)
+        if request.slo.ttft_s < 0 or request.slo.tbt_s < 0:
+            raise invalid("SLOs must be >= 0 seconds (0: server default)", "slo")
+        return ctx.generation(
+            model, request_id=request_id, prompt_ids=ids, sampling=sampling,
+            slo=request.slo, stop=tuple(request.stop), arrival=None,
+        )
+
+
+def _metadata_request_id(context: grpc.aio.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-request-id" and isinstance(value, str):
+            return value
+    return None
+
+
+async def start_server(ctx: GatewayContext, host: str, port: int) -> grpc.aio.Server:
+    """Serve SuperInfer and the standard health service on ``host:port``."""
+    # No SO_REUSEPORT: a second gateway on a busy port must fail, not share it.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    client_pb2_grpc.add_SuperInferServicer_to_server(SuperInferServicer(ctx), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise OSError(f"cannot listen on {address} for the client gRPC API (port in use?)")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set("superinfer.SuperInfer", health_pb2.HealthCheckResponse.SERVING)
+    log.info("client gRPC API listening", address=address)
+    return server

@@ -1,0 +1,143 @@
+"""From a client's request to the scheduler's: prompt ids, sampling and SLO, validated.
+
+REST and the client gRPC API share these functions, so both reject the same inputs with
+the same messages. Everything the scheduler would refuse is caught here first, where the
+error can still name the offending field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from gateway.errors import APIError, from_superinfer, invalid
+from gateway.openai_schema import INT32_MAX, ChatMessage, SLOSpec
+from proto import common_pb2
+from superinfer.errors import SuperInferError
+from superinfer.tokenizer import Tokenizer
+
+T = TypeVar("T")
+
+# Prompts longer than this (characters) are tokenized off the event loop, so one huge
+# prompt does not stall every other stream.
+_INLINE_TOKENIZE_CHARS = 16_384
+
+
+async def tokenize(fn: Callable[..., T], *args: Any, size: int) -> T:
+    """Run a tokenizing function inline when small, in a worker thread when large."""
+    if size <= _INLINE_TOKENIZE_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """Sampling choices as the client gave them (None: not given)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+def completion_prompt_ids(prompt: Any, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
+    """A completions ``prompt``: text, ``[text]``, token ids or ``[[token ids]]``."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid("prompt is empty", param="prompt")
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return check_token_ids(prompt, vocab_size, "prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
+        raise invalid(
+            "batched prompts are not supported; send one prompt per request", param="prompt"
+        )
+    raise invalid(
+        "prompt must be a non-empty string, a list of one string, or a list of token ids",
+        param="prompt",
+    )
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
+    if not ids:
+        raise invalid("prompt is empty", param=param)
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise invalid(f"token id {bad} is out of range [0, {vocab_size})", param=param)
+    return list(ids)
+
+
+def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer) -> list[int]:
+    """Render the conversation with the model's chat template, then encode it."""
+    plain = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(plain, add_generation_prompt=True)
+    except SuperInferError as e:
+        raise from_superinfer(e, param="messages") from e
+    # The rendered text carries its own special tokens (BOS where the model wants one).
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise invalid("messages render to an empty prompt", param="messages")
+    return ids
+
+
+def sampling_params(
+    s: Sampling, *, prompt_len: int, max_model_len: int, prompt_param: str = "prompt"
+) -> common_pb2.SamplingParams:
+    """OpenAI defaults (temperature 1, top_p 1) and max_tokens up to the context limit."""
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{prompt_len} tokens, which leaves no room for a completion. Shorten the prompt.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    max_tokens = room if s.max_tokens is None else s.max_tokens
+    if not 1 <= max_tokens <= INT32_MAX:
+        raise invalid(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if max_tokens > room:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+            f"{max_tokens} for the completion). Reduce the prompt or max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    temperature = 1.0 if s.temperature is None else s.temperature
+    top_p = 1.0 if s.top_p is None else s.top_p
+    if not 0.0 <= temperature <= 100.0:
+        raise invalid(f"temperature must be in [0, 100], got {temperature}", param="temperature")
+    if not 0.0 < top_p <= 1.0:
+        raise invalid(f"top_p must be in (0, 1], got {top_p}", param="top_p")
+    top_k = s.top_k or 0
+    if top_k < -1:
+        raise invalid(f"top_k must be -1, 0 (off) or positive, got {top_k}", param="top_k")
+    params = common_pb2.SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=max(top_k, 0),
+        ignore_eos=s.ignore_eos,
+    )
+    if s.seed is not None:
+        params.seed = s.seed
+    return params
+
+
+def slo(spec: SLOSpec | None) -> common_pb2.SLO:
+    """Milliseconds from the client, seconds for the scheduler; 0 keeps the server default."""
+    if spec is None:
+        return common_pb2.SLO()
+    return common_pb2.SLO(
+        ttft_s=(spec.ttft_ms or 0.0) / 1000.0,
+        tbt_s=(spec.tbt_ms or 0.0) / 1000.0,
+    )

@@ -1,0 +1,100 @@
+"""`superinfer gateway`: flags and the process entry point.
+
+One uvicorn worker on uvloop: the gateway is I/O-bound (gRPC to the scheduler, SSE to
+clients) and the in-flight table and the client gRPC server must share one event loop.
+uvicorn's access log is off because every request already logs JSON lines with its id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from gateway.context import GatewaySettings
+from superinfer.daemon import PidFile
+from superinfer.logging import configure_logging, get_logger
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("gateway")
+    g.add_argument("--host", default="127.0.0.1", help="address for REST and client gRPC")
+    g.add_argument("--port", type=int, default=8000, help="REST (OpenAI-compatible) port")
+    g.add_argument("--grpc-port", type=int, default=50050,
+                   help="client gRPC API port (0: do not serve it)")
+    g.add_argument("--scheduler-addr", default="127.0.0.1:50051", help="scheduler gRPC address")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name clients use (default: the scheduler's model name)")
+    g.add_argument("--run-dir", default="./.superinfer", help="where gateway.log and gateway.pid go")
+    g.add_argument("--log-level", default="info", help="debug, info, warning, error")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: no auth)")
+    g.add_argument("--rpc-timeout", type=float, default=5.0,
+                   help="deadline of unary scheduler calls, seconds")
+    g.add_argument("--request-timeout", type=float, default=None,
+                   help="deadline of one generation stream, seconds (default: none)")
+
+
+def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
+    return GatewaySettings(
+        scheduler_addr=args.scheduler_addr,
+        host=args.host,
+        grpc_port=args.grpc_port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        rpc_timeout_s=args.rpc_timeout,
+        request_timeout_s=args.request_timeout,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import create_app
+
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        configure_logging("gateway", run_dir / "gateway.log", args.log_level)
+    except ValueError as e:
+        print(f"superinfer gateway: error: {e}", file=sys.stderr)
+        return 2
+    log = get_logger()
+    for name, port in (("--port", args.port), ("--grpc-port", args.grpc_port)):
+        if not 0 <= port <= 65535:
+            log.error("invalid port", flag=name, port=port)
+            return 2
+    pid_file = PidFile(run_dir / "gateway.pid")
+    try:
+        pid_file.acquire()  # one gateway per run dir, like every other service
+    except RuntimeError as e:
+        log.error("already_running", error=str(e))
+        return 1
+    try:
+        app = create_app(settings_from_args(args))
+        config = uvicorn.Config(
+            app, host=args.host, port=args.port, loop="uvloop", workers=1,
+            access_log=False, log_config=None, log_level=args.log_level,
+            timeout_graceful_shutdown=5,
+        )
+        server = uvicorn.Server(config)
+        log.info("gateway starting", host=args.host, port=args.port, grpc_port=args.grpc_port)
+        try:
+            server.run()
+        except SystemExit as e:  # uvicorn exits on a port it cannot bind
+            log.error("gateway could not start", code=e.code)
+            return int(e.code or 1)
+        return 0 if server.started else 1
+    finally:
+        pid_file.release()
+
+
+def _standalone() -> int:
+    """`python -m gateway.server` while `superinfer gateway` is not wired yet."""
+    parser = argparse.ArgumentParser(prog="superinfer gateway")
+    add_arguments(parser)
+    return main(parser.parse_args())
+
+
+if __name__ == "__main__":
+    raise SystemExit(_standalone())

@@ -1,0 +1,112 @@
+"""kvmem's two pools: the worker's device pool (mapped) and its own host DRAM pool.
+
+The host pool is one block-first tensor with the device pool's block shape (DESIGN §2),
+so it can only be sized once the worker's handle says what a block is: it is allocated
+at the first attach, not at start. It lives in an anonymous mmap region (page-aligned,
+what `cudaHostRegister` would pin on a GPU machine) and is pre-faulted.
+"""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass
+
+import torch
+
+from proto import worker_pb2
+from superinfer.engine import DTYPES
+from superinfer.shm import SharedTensor, prefault, tensor_nbytes
+from worker.kv_pool import decode_cuda_ipc
+
+
+class DeviceMapping:
+    """This process's view of the worker's device pool, from its KVPoolHandle."""
+
+    def __init__(self, handle: worker_pb2.KVPoolHandle) -> None:
+        if handle.dtype not in DTYPES:
+            raise ValueError(f"unknown KV pool dtype {handle.dtype!r}")
+        shape = tuple(int(n) for n in handle.shape)
+        if len(shape) != 6 or min(shape) < 1:
+            raise ValueError(f"KV pool shape must be 6 positive sizes, got {list(shape)}")
+        self.pool_id = handle.pool_id
+        self.shape = shape
+        self.dtype = DTYPES[handle.dtype]
+        self._shm: SharedTensor | None = None
+        if handle.kind == "shm":
+            self._shm = SharedTensor.attach(handle.shm_name, shape, self.dtype)
+            self.tensor = self._shm.tensor
+        elif handle.kind == "cuda_ipc":
+            self.tensor = _open_cuda_ipc(handle, shape, self.dtype)
+        else:
+            raise ValueError(f"unknown KV pool kind {handle.kind!r}")
+
+    @property
+    def kind(self) -> str:
+        return "shm" if self._shm is not None else "cuda_ipc"
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return self.shape[1:]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.shape[0]
+
+    @property
+    def block_bytes(self) -> int:
+        return tensor_nbytes(self.block_shape, self.dtype)
+
+    def close(self) -> None:
+        del self.tensor
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
+
+
+def _open_cuda_ipc(
+    handle: worker_pb2.KVPoolHandle, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    # UNTESTED HERE (no CUDA on the development machine): the receiving half of
+    # worker.kv_pool.DevicePool._create_cuda, as torch.multiprocessing rebuilds a tensor.
+    if not torch.cuda.is_available():
+        raise RuntimeError("the worker's KV pool is on CUDA but this process sees no CUDA device")
+    fields = decode_cuda_ipc(handle.cuda_ipc_handle)
+    torch.cuda.set_device(handle.device_index)
+    storage = torch.UntypedStorage._new_shared_cuda(*fields)
+    t = torch.empty(0, dtype=dtype, device=f"cuda:{handle.device_index}")
+    stride = torch.empty(shape, device="meta").stride()  # contiguous, like the worker's
+    return t.set_(storage, 0, shape, stride)
+
+
+@dataclass(slots=True)
+class HostPool:
+    """Host DRAM blocks, block-first; `num_blocks` may be 0 (rotation falls back to recompute)."""
+
+    tensor: torch.Tensor
+    region: mmap.mmap | None
+
+    @classmethod
+    def allocate(cls, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype) -> HostPool:
+        shape = (num_blocks, *block_shape)
+        nbytes = tensor_nbytes(shape, dtype)
+        if nbytes == 0:
+            return cls(torch.empty(shape, dtype=dtype), None)
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        tensor = torch.frombuffer(region, dtype=dtype, count=nbytes // _elem(dtype)).view(shape)
+        prefault(tensor, write=True)
+        return cls(tensor, region)
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.tensor.shape[0])
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape[1:])
+
+    def fits(self, block_shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+        return self.block_shape == block_shape and self.tensor.dtype == dtype
+
+
+def _elem(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()

@@ -1,0 +1,232 @@
+"""What serving costs: the REST gateway + services vs `LLMEngine.generate` in-process.
+
+Same workload on both sides: N concurrent greedy requests (the same prompts, EOS
+ignored, a fixed number of new tokens). The served side streams SSE through the gateway,
+which talks gRPC to the scheduler, which drives the worker and kvmem; the in-process side
+runs the same scheduler and model in this process. The ratio of decode throughputs is
+the price of the process split, tokenization/detokenization and HTTP. Timings on a
+shared CPU are noisy: read the ratio, and repeat when in doubt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from superinfer.bench.report import table, write_json
+from superinfer.supervisor import ServiceSpec, Supervisor, grpc_probe, http_probe
+
+PROMPTS = [
+    "Write a short story about a robot learning to paint.",
+    "Explain how a refrigerator works.",
+    "What are the main causes of the French Revolution?",
+    "Give me a recipe for pancakes.",
+    "Describe the water cycle in simple terms.",
+    "Why do cats purr?",
+    "List some tips for learning a new language.",
+    "What is the difference between a virus and a bacterium?",
+]
+
+
+@dataclass(slots=True)
+class Measure:
+    path: str
+    requests: int
+    new_tokens: int  # generated tokens, all requests
+    wall_s: float  # first submit to last token
+    mean_ttft_s: float
+    decode_tok_s: float  # tokens after each request's first, over the all-decoding span
+
+    @property
+    def total_tok_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=32, help="concurrent requests")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
+    p.add_argument("--device-blocks", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=1, help="runs per side; the best is kept")
+    p.add_argument("--url", default=None,
+                   help="an already running gateway (default: start a full stack here)")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--skip-engine", action="store_true", help="only measure the served path")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads on both sides (the started worker gets OMP_NUM_THREADS); "
+                        "on a busy CPU, 1 avoids OpenMP threads waiting on each other")
+    p.add_argument("--json", default=None, help="write results to this JSON file")
+
+
+def _decode_rate(n_per_request: list[int], first: list[float], end: float) -> float:
+    """Decode tok/s once every request is past its first token (as `bench engine`)."""
+    span = end - max(first)
+    return sum(n - 1 for n in n_per_request) / span if span > 0 else 0.0
+
+
+# -- served ------------------------------------------------------------------------------------
+
+
+async def _served_once(url: str, prompts: list[str], new: int) -> Measure:
+    limits = httpx.Limits(max_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=None, limits=limits) as c:
+
+        async def one(prompt: str) -> tuple[float, int]:
+            first, n = 0.0, 0
+            body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"gateway answered {r.status_code}: {(await r.aread())[:300]!r}")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    event = json.loads(line[len("data: "):])
+                    if "error" in event:
+                        raise RuntimeError(f"stream failed: {event['error']}")
+                    if event.get("usage"):
+                        n = event["usage"]["completion_tokens"]
+                    elif not first:
+                        first = time.monotonic()
+            return first, n
+
+        t0 = time.monotonic()
+        results = await asyncio.gather(*(one(p) for p in prompts))
+        end = time.monotonic()
+    firsts, counts = [f for f, _ in results], [n for _, n in results]
+    return Measure("gateway (REST/SSE)", len(prompts), sum(counts), end - t0,
+                   sum(f - t0 for f in firsts) / len(firsts), _decode_rate(counts, firsts, end))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start_stack(run_dir: Path, device_blocks: int, timeout_s: float) -> tuple[Supervisor, str]:
+    port = {n: _free_port() for n in ("worker", "kvmem", "scheduler", "http")}
+    addr = {n: f"127.0.0.1:{p}" for n, p in port.items()}
+    cli = [sys.executable, "-m", "superinfer.cli"]
+    common = ["--run-dir", str(run_dir), "--host", "127.0.0.1"]
+    specs = [
+        ServiceSpec("worker", [*cli, "worker", *common, "--port", str(port["worker"]),
+                               "--device-blocks", str(device_blocks)], grpc_probe(addr["worker"])),
+        ServiceSpec("kvmem", [*cli, "kvmem", *common, "--port", str(port["kvmem"]),
+                              "--host-blocks", "0"], grpc_probe(addr["kvmem"])),
+        ServiceSpec("scheduler", [*cli, "scheduler", *common, "--port", str(port["scheduler"]),
+                                  "--worker-addr", addr["worker"], "--kvmem-addr", addr["kvmem"]],
+                    grpc_probe(addr["scheduler"])),
+        ServiceSpec("gateway", [*cli, "gateway", *common, "--port", str(port["http"]),
+                                "--grpc-port", "0", "--scheduler-addr", addr["scheduler"]],
+                    http_probe(f"http://{addr['http']}/health")),
+    ]
+    sup = Supervisor(run_dir)
+    try:
+        for spec in specs:
+            print(f"starting {spec.name} …", file=sys.stderr, flush=True)
+            sup.start(spec, timeout_s)
+    except BaseException:
+        sup.stop_all()
+        raise
+    return sup, f"http://{addr['http']}"
+
+
+def _served(args: argparse.Namespace, prompts: list[str]) -> Measure:
+    sup = None
+    url = args.url
+    tmp = tempfile.TemporaryDirectory(prefix="superinfer-overhead-")
+    try:
+        if url is None:
+            sup, url = _start_stack(Path(tmp.name), args.device_blocks, args.startup_timeout)
+        asyncio.run(_served_once(url, prompts[:2], 4))  # warm-up
+        runs = [asyncio.run(_served_once(url, prompts, args.max_tokens)) for _ in range(args.repeats)]
+    finally:
+        if sup is not None:
+            sup.stop_all()
+        tmp.cleanup()
+    return max(runs, key=lambda m: m.decode_tok_s)
+
+
+# -- in-process --------------------------------------------------------------------------------
+
+
+def _in_process(args: argparse.Namespace, prompts: list[str]) -> Measure:
+    import torch
+
+    from scheduler_svc.request import SamplingParams
+    from superinfer.config import EngineConfig
+    from superinfer.engine import LLMEngine
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    engine = LLMEngine(EngineConfig(device_blocks=args.device_blocks, host_blocks=0))
+    ids = [engine.encode_prompt(p) for p in prompts]
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+
+    def once(batch: list[list[int]], sp: SamplingParams) -> Measure:
+        t0 = time.monotonic()
+        rids = [engine.add_request(p, sp, arrival_time=t0) for p in batch]
+        first: dict[str, float] = {}
+        counts = dict.fromkeys(rids, 0)
+        while engine.scheduler.has_unfinished():
+            for ev in engine.step():
+                if ev.new_token_ids:
+                    first.setdefault(ev.request_id, time.monotonic())
+                    counts[ev.request_id] += len(ev.new_token_ids)
+        end = time.monotonic()
+        engine.scheduler.collect_finished()
+        for rid in rids:
+            engine.trackers.pop(rid, None)
+        f = [first[r] for r in rids]
+        n = [counts[r] for r in rids]
+        return Measure("in-process LLMEngine", len(batch), sum(n), end - t0,
+                       sum(x - t0 for x in f) / len(f), _decode_rate(n, f, end))
+
+    once(ids[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    return max((once(ids, sampling) for _ in range(args.repeats)), key=lambda m: m.decode_tok_s)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.requests < 1 or args.max_tokens < 2 or args.repeats < 1:
+        print("superinfer: error: need --requests >= 1, --max-tokens >= 2, --repeats >= 1",
+              file=sys.stderr)
+        return 2
+    if args.threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the started services
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
+    served = _served(args, prompts)
+    measures = [served]
+    if not args.skip_engine:
+        measures.append(_in_process(args, prompts))
+    rows = [[m.path, m.requests, m.new_tokens, m.wall_s, m.mean_ttft_s, m.total_tok_s,
+             m.decode_tok_s] for m in measures]
+    print(table(["path", "requests", "new tokens", "wall s", "mean TTFT s", "tok/s", "decode tok/s"],
+                rows))
+    result: dict[str, object] = {
+        "workload": {"requests": args.requests, "max_tokens": args.max_tokens,
+                     "device_blocks": args.device_blocks, "greedy": True, "ignore_eos": True,
+                     "threads": args.threads},
+        "measures": [{**asdict(m), "total_tok_s": m.total_tok_s} for m in measures],
+    }
+    if len(measures) == 2 and measures[1].decode_tok_s > 0:
+        ratio = measures[0].decode_tok_s / measures[1].decode_tok_s
+        result["decode_ratio_gateway_over_in_process"] = ratio
+        print(f"decode throughput, gateway / in-process: {ratio:.3f}")
+    write_json(args.json, result)
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="superinfer bench overhead", description=__doc__)
+    add_arguments(parser)
+    raise SystemExit(run(parser.parse_args()))

@@ -1,0 +1,249 @@
+"""`superinfer worker | kvmem | scheduler | gateway | serve`: the service processes.
+
+Each engine flag belongs to the one service that owns what it sizes: the worker owns the
+model and the device pool (`--model`, `--device-blocks`, `--block-size`, `--dtype`, …),
+kvmem the host pool (`--host-blocks`, `--host-memory-gib`), the scheduler everything about
+scheduling. `serve` takes them all and hands each child its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType, ModuleType
+
+from superinfer.config import EngineConfig
+from superinfer.daemon import add_daemon_arguments
+from superinfer.supervisor import (
+    ServiceFailed,
+    ServiceSpec,
+    Supervisor,
+    die_with_supervisor,
+    grpc_probe,
+    http_probe,
+)
+
+PORTS = {"scheduler": 50051, "worker": 50052, "kvmem": 50053}
+GATEWAY_HTTP_PORT = 8000
+GATEWAY_GRPC_PORT = 50050
+WORKER_FLAGS = frozenset({"model", "device_blocks", "kv_memory_gib", "block_size", "dtype"})
+KVMEM_FLAGS = frozenset({"host_blocks", "host_memory_gib"})
+
+
+def _engine_actions() -> list[tuple[str | None, argparse.Action]]:
+    """Every EngineConfig flag with its group title, from the one place that defines them."""
+    scratch = argparse.ArgumentParser(add_help=False)
+    EngineConfig.add_arguments(scratch)
+    return [(g.title, a) for g in scratch._action_groups for a in g._group_actions]
+
+
+def _add_engine_flags(p: argparse.ArgumentParser, keep: Callable[[str], bool]) -> None:
+    groups: dict[str | None, argparse._ArgumentGroup] = {}
+    for title, action in _engine_actions():
+        if keep(action.dest):
+            if title not in groups:
+                groups[title] = p.add_argument_group(title)
+            groups[title]._add_action(action)
+
+
+def _scheduler_flag(dest: str) -> bool:
+    return dest not in WORKER_FLAGS and dest not in KVMEM_FLAGS
+
+
+# -- the standalone services ----------------------------------------------------------------
+def _add_worker(p: argparse.ArgumentParser) -> None:
+    add_daemon_arguments(p, PORTS["worker"])
+    _add_engine_flags(p, WORKER_FLAGS.__contains__)
+
+
+def _add_kvmem(p: argparse.ArgumentParser) -> None:
+    add_daemon_arguments(p, PORTS["kvmem"])
+    _add_engine_flags(p, KVMEM_FLAGS.__contains__)
+
+
+def _add_scheduler(p: argparse.ArgumentParser) -> None:
+    add_daemon_arguments(p, PORTS["scheduler"])
+    g = p.add_argument_group("peers")
+    g.add_argument("--worker-addr", default=f"127.0.0.1:{PORTS['worker']}")
+    g.add_argument("--kvmem-addr", default=f"127.0.0.1:{PORTS['kvmem']}")
+    g.add_argument("--connect-timeout", type=float, default=300.0,
+                   help="seconds to wait for the worker and kvmem to be SERVING")
+    _add_engine_flags(p, _scheduler_flag)
+
+
+def _run(module: str) -> Callable[[argparse.Namespace], int]:
+    """Import a service only when it runs: `superinfer --help` need not load torch."""
+
+    def run(args: argparse.Namespace) -> int:
+        die_with_supervisor()
+        return int(importlib.import_module(module).main(args) or 0)
+
+    return run
+
+
+def _gateway_module() -> ModuleType | None:
+    """gateway.server, when it exists (it provides `add_arguments(p)` and `main(args)`)."""
+    try:
+        if importlib.util.find_spec("gateway.server") is None:
+            return None
+    except ImportError:
+        return None
+    return importlib.import_module("gateway.server")
+
+
+# -- serve ------------------------------------------------------------------------------------
+def _add_serve(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("gateway")
+    g.add_argument("--host", default="127.0.0.1", help="REST and client gRPC listen address")
+    g.add_argument("--port", type=int, default=GATEWAY_HTTP_PORT, help="REST port")
+    g.add_argument("--grpc-port", type=int, default=GATEWAY_GRPC_PORT, help="client gRPC port")
+    s = p.add_argument_group("services (listen on 127.0.0.1)")
+    s.add_argument("--scheduler-port", type=int, default=PORTS["scheduler"])
+    s.add_argument("--worker-port", type=int, default=PORTS["worker"])
+    s.add_argument("--kvmem-port", type=int, default=PORTS["kvmem"])
+    s.add_argument("--run-dir", default="./.superinfer", help="pid and log files go here")
+    s.add_argument("--log-level", default="info")
+    s.add_argument("--startup-timeout", type=float, default=300.0,
+                   help="seconds each service may take to become ready")
+    EngineConfig.add_arguments(p)
+
+
+def _argv_for(add: Callable[[argparse.ArgumentParser], None], values: dict[str, object]) -> list[str]:
+    """Command-line flags for a child whose parser `add` builds, from `values` by dest."""
+    scratch = argparse.ArgumentParser(add_help=False)
+    add(scratch)
+    argv: list[str] = []
+    for action in scratch._actions:
+        value = values.get(action.dest)
+        if not action.option_strings or value is None or value is False:
+            continue
+        flag = action.option_strings[-1]
+        if action.nargs == 0:  # store_true and the like
+            argv.append(flag)
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def service_specs(args: argparse.Namespace) -> list[ServiceSpec]:
+    """The children of `serve`, in start order, each with its flags and readiness probe."""
+    run_dir = Path(args.run_dir)
+    common = {**vars(args), "host": "127.0.0.1"}
+    addr = {name: f"127.0.0.1:{getattr(args, f'{name}_port')}" for name in PORTS}
+    base = [sys.executable, "-m", "superinfer.cli"]
+    specs = [
+        ServiceSpec("worker", [*base, "worker", *_argv_for(_add_worker, {
+            **common, "port": args.worker_port})], grpc_probe(addr["worker"]),
+            run_dir / "worker.pid"),
+        ServiceSpec("kvmem", [*base, "kvmem", *_argv_for(_add_kvmem, {
+            **common, "port": args.kvmem_port})], grpc_probe(addr["kvmem"]),
+            run_dir / "kvmem.pid"),
+        ServiceSpec("scheduler", [*base, "scheduler", *_argv_for(_add_scheduler, {
+            **common, "port": args.scheduler_port, "worker_addr": addr["worker"],
+            "kvmem_addr": addr["kvmem"], "connect_timeout": args.startup_timeout})],
+            grpc_probe(addr["scheduler"]), run_dir / "scheduler.pid"),
+    ]
+    gateway = _gateway_module()
+    if gateway is not None:
+        probe_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+        specs.append(ServiceSpec("gateway", [*base, "gateway", *_argv_for(gateway.add_arguments, {
+            **vars(args), "scheduler_addr": addr["scheduler"]})],
+            http_probe(f"http://{probe_host}:{args.port}/health"), run_dir / "gateway.pid"))
+    return specs
+
+
+class _Terminate(Exception):
+    """SIGTERM, turned into an exception so that serve unwinds like on Ctrl-C."""
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise _Terminate
+
+
+def _serve(args: argparse.Namespace) -> int:
+    EngineConfig.from_args(args)  # flag errors here, not in a child's log
+    run_dir = Path(args.run_dir)
+    sup = Supervisor(run_dir)
+    specs = service_specs(args)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    rc = 0
+    try:
+        for spec in specs:
+            print(f"starting {spec.name} …", file=sys.stderr, flush=True)
+            sup.start(spec, args.startup_timeout)
+        _print_ready(args, specs, run_dir)
+        failed = sup.wait()
+        print(f"superinfer: {failed.name} {failed.why}; stopping the others\n"
+              f"--- last lines of {run_dir / (failed.name + '.out')}:\n{failed.tail}",
+              file=sys.stderr)
+        rc = 1
+    except ServiceFailed as e:
+        print(f"superinfer: {e.name} {e.why}; stopping the others\n"
+              f"--- last lines of {run_dir / (e.name + '.out')}:\n{e.tail}", file=sys.stderr)
+        rc = 1
+    except (KeyboardInterrupt, _Terminate):
+        print("stopping …", file=sys.stderr)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut cleanup
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sup.stop_all()
+    return rc
+
+
+def _print_ready(args: argparse.Namespace, specs: list[ServiceSpec], run_dir: Path) -> None:
+    names = [s.name for s in specs]
+    lines = ["SuperInfer is ready."]
+    if "gateway" in names:
+        lines += [f"  REST (OpenAI-compatible)  http://{args.host}:{args.port}/v1",
+                  f"  client gRPC               {args.host}:{args.grpc_port}"]
+    else:
+        lines.append("  gateway                   not installed (gateway/server.py missing)")
+    lines += [f"  scheduler gRPC            127.0.0.1:{args.scheduler_port}",
+              f"  run dir                   {run_dir.resolve()}",
+              "  logs                      "
+              + ", ".join(str(run_dir / f"{n}.log") for n in names),
+              "Press Ctrl-C to stop."]
+    print("\n".join(lines), flush=True)
+
+
+def _health(args: argparse.Namespace) -> int:
+    """Exit 0 when the service at `addr` is ready: gRPC health SERVING, or HTTP 200."""
+    if args.addr.startswith(("http://", "https://")):
+        probe, close = http_probe(args.addr)
+    else:
+        probe, close = grpc_probe(args.addr)
+    try:
+        ok = probe()
+    finally:
+        close()
+    print("SERVING" if ok else "NOT_SERVING")
+    return 0 if ok else 1
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("worker", help="serve the model and the device KV pool (gRPC)")
+    _add_worker(p)
+    p.set_defaults(func=_run("worker.service"))
+    p = sub.add_parser("kvmem", help="serve the host KV pool and block transfers (gRPC)")
+    _add_kvmem(p)
+    p.set_defaults(func=_run("kvmem_svc.service"))
+    p = sub.add_parser("scheduler", help="serve the engine core: requests, blocks, policy (gRPC)")
+    _add_scheduler(p)
+    p.set_defaults(func=_run("scheduler_svc.service"))
+    gateway = _gateway_module()
+    if gateway is not None:
+        p = sub.add_parser("gateway", help="serve the REST and client gRPC APIs")
+        gateway.add_arguments(p)
+        p.set_defaults(func=_run("gateway.server"))
+    p = sub.add_parser("health", help="exit 0 if a service is ready (for container health checks)")
+    p.add_argument("addr", help="host:port of a gRPC service, or an http:// URL such as "
+                                "http://127.0.0.1:8000/health")
+    p.set_defaults(func=_health)
+    p = sub.add_parser("serve", help="run worker, kvmem, scheduler and gateway together")
+    _add_serve(p)
+    p.set_defaults(func=_serve)

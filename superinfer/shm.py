@@ -1,0 +1,121 @@
+"""Torch tensors in POSIX shared memory: how the worker shares its KV pool with kvmem.
+
+The worker *creates* the segment (owner-only permissions, an unguessable name) and is
+the only process that unlinks it; kvmem *attaches* to it by name. Both pre-fault every
+page at once, because the first pass of copies into a freshly mapped pool runs ~4x slower
+than later ones (DESIGN §5), and a latency-bound rotation must not pay that on a request.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import secrets
+import stat
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
+
+import torch
+
+SHM_DIR = "/dev/shm"
+PAGE = mmap.PAGESIZE
+_created: set[str] = set()  # segments this process owns (its resource tracker knows them)
+
+
+def tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+
+
+def prefault(t: torch.Tensor, write: bool) -> None:
+    """Touch one byte per page so that later copies find every page mapped.
+
+    `write=True` (the owner, on fresh zero memory) allocates the pages; an attaching
+    process only reads, since the pool may already hold live KV.
+    """
+    flat = t.view(-1).view(torch.uint8)
+    pages = flat[::PAGE]
+    if write:
+        pages.zero_()
+    else:
+        pages.sum()
+
+
+class SharedTensor:
+    """One tensor backed by one shared-memory segment; `owner` decides who unlinks it."""
+
+    def __init__(self, shm: SharedMemory, tensor: torch.Tensor, owner: bool) -> None:
+        self._shm: SharedMemory | None = shm
+        self._tensor: torch.Tensor | None = tensor
+        self.name = shm.name
+        self.owner = owner
+        self.nbytes = tensor.numel() * tensor.element_size()
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            raise RuntimeError(f"shared tensor {self.name} is closed")
+        return self._tensor
+
+    @classmethod
+    def create(cls, shape: tuple[int, ...], dtype: torch.dtype, prefix: str = "si-kv") -> SharedTensor:
+        nbytes = tensor_nbytes(shape, dtype)
+        if nbytes <= 0:
+            raise ValueError(f"a shared tensor needs at least one element, got shape {shape}")
+        # 64 random bits: another local user cannot guess the name to open a segment
+        # before we create it, and create=True (O_EXCL) refuses one that already exists.
+        shm = SharedMemory(name=f"{prefix}-{secrets.token_hex(8)}", create=True, size=nbytes)
+        _owner_only(shm.name)
+        _created.add(shm.name)
+        tensor = _as_tensor(shm, shape, dtype)
+        prefault(tensor, write=True)
+        return cls(shm, tensor, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> SharedTensor:
+        nbytes = tensor_nbytes(shape, dtype)
+        shm = SharedMemory(name=name)
+        # Python < 3.13 registers attached segments with this process's resource tracker,
+        # which would unlink the worker's pool when *we* exit. Only the owner unlinks.
+        if shm.name not in _created:
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        if shm.size < nbytes:
+            shm.close()
+            raise ValueError(f"shared memory {name} holds {shm.size} bytes, need {nbytes}")
+        tensor = _as_tensor(shm, shape, dtype)
+        prefault(tensor, write=False)
+        return cls(shm, tensor, owner=False)
+
+    def close(self) -> None:
+        """Unmap (and, as owner, unlink). Safe to call twice."""
+        if self._shm is None:
+            return
+        shm, self._shm = self._shm, None
+        self._tensor = None
+        if self.owner:
+            _created.discard(shm.name)
+            try:
+                shm.unlink()
+            except FileNotFoundError:
+                pass
+        try:
+            shm.close()
+        except BufferError:
+            # A view of the tensor is still alive somewhere; the mapping then goes away
+            # with the process. The name is already unlinked, which is what matters.
+            pass
+
+
+def _as_tensor(shm: SharedMemory, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    count = math.prod(shape)
+    return torch.frombuffer(shm.buf, dtype=dtype, count=count).view(shape)
+
+
+def _owner_only(name: str) -> None:
+    """SharedMemory asks for 0o600 already; enforce it in case a platform widened it."""
+    path = os.path.join(SHM_DIR, name)
+    if not os.path.exists(path):
+        return  # not a Linux-style /dev/shm; shm_open's mode is all we have
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if mode & 0o077:
+        os.chmod(path, 0o600)

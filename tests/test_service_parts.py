@@ -1,0 +1,395 @@
+"""The service pieces without a model: shared memory, kvmem over real gRPC, the wire
+format, the scheduler's iteration loop against the KV-checking fakes, flags, supervision.
+
+Fast (no model load); the processes with the real model are in test_services.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import stat
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+import pytest
+import torch
+
+from kvmem_svc.service import KVMemService
+from proto import kvmem_pb2, kvmem_pb2_grpc, worker_pb2
+from scheduler_svc.block_manager import TransferPlan
+from scheduler_svc.interfaces import ExecuteResult, ScheduledChunk
+from scheduler_svc.loop import ServingLoop, StreamEvent
+from scheduler_svc.policy import make_policy
+from scheduler_svc.request import SLO, Request, SamplingParams
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.wire import chunk_from_proto, chunk_to_proto, plan_to_proto
+from superinfer import services_cli
+from superinfer.daemon import CHANNEL_OPTIONS, SERVER_OPTIONS, PidFile
+from superinfer.shm import SharedTensor
+from superinfer.supervisor import ServiceFailed, ServiceSpec, Supervisor
+from tests.kvcheck import CheckingExecutor, KVStore, next_token
+from worker.kv_pool import DevicePool, decode_cuda_ipc, encode_cuda_ipc
+
+T = TypeVar("T")
+SHAPE = (8, 2, 2, 4, 1, 8)  # [blocks, layers, K/V, block_size, kv_heads, head_dim]
+
+
+def run(coro_fn: Callable[[], Awaitable[T]]) -> T:
+    return asyncio.run(coro_fn())  # type: ignore[arg-type]
+
+
+# -- shared memory ------------------------------------------------------------------------------
+def test_shared_tensor_is_private_shared_and_unlinked_by_its_owner() -> None:
+    owner = SharedTensor.create((4, 16), torch.float32)
+    path = Path("/dev/shm") / owner.name
+    try:
+        assert owner.name.startswith("si-kv-") and len(owner.name) == len("si-kv-") + 16
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        peer = SharedTensor.attach(owner.name, (4, 16), torch.float32)
+        owner.tensor[2] = 7.0
+        assert torch.equal(peer.tensor[2], torch.full((16,), 7.0))
+        peer.close()  # a peer unmaps but never unlinks
+        assert path.exists()
+        with pytest.raises(ValueError, match="need"):
+            SharedTensor.attach(owner.name, (400, 16), torch.float32)
+    finally:
+        owner.close()
+    assert not path.exists()
+    owner.close()  # twice is fine
+
+
+def test_cuda_ipc_handles_travel_as_json_not_pickle() -> None:
+    # The tuple UntypedStorage._share_cuda_() returns: ints, bytes handles, a bool.
+    fields = (0, b"\x00\xffhandle", 4096, 0, b"ref", 16, b"", True)
+    blob = encode_cuda_ipc(fields)
+    assert decode_cuda_ipc(blob) == fields and blob.startswith(b"[")
+
+
+# -- kvmem over gRPC ------------------------------------------------------------------------------
+async def _with_kvmem(
+    body: Callable[[kvmem_pb2_grpc.KVMemStub, KVMemService], Awaitable[None]], host_blocks: int
+) -> None:
+    service = KVMemService(host_blocks=host_blocks, host_memory_gib=0.0)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    kvmem_pb2_grpc.add_KVMemServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as ch:
+            await body(kvmem_pb2_grpc.KVMemStub(ch), service)
+    finally:
+        await server.stop(None)
+        await service.close()
+
+
+def _plan(fence: int, out: list[tuple[int, int]] = [], into: list[tuple[int, int]] = [],  # noqa: B006
+          eager: list[tuple[int, int]] = []) -> TransferPlan:  # noqa: B006
+    return TransferPlan(fence=fence, swap_out=list(out), swap_in=list(into), eager=list(eager))
+
+
+def test_kvmem_moves_blocks_both_ways_and_refuses_stale_orders() -> None:
+    pool = DevicePool.create(SHAPE, torch.float32)
+    dev = pool.tensor
+    dev.copy_(torch.randn(SHAPE))
+    original = dev.clone()
+
+    async def body(stub: kvmem_pb2_grpc.KVMemStub, service: KVMemService) -> None:
+        reply = await stub.AttachPool(pool.handle())
+        assert reply.host_blocks == 6 and reply.pool_id == pool.pool_id
+        # Blocks 1, 2 (a run) and 5 out to host 0, 1, 4; eager copy of block 3 to host 3.
+        r = await stub.Transfer(plan_to_proto(_plan(1, out=[(1, 0), (2, 1), (5, 4)],
+                                                    eager=[(3, 3)]), pool.pool_id))
+        assert r.fence == 1 and r.bytes_d2h == 4 * dev[0].numel() * 4 and r.bytes_h2d == 0
+        host = service.host
+        assert host is not None
+        for d, h in [(1, 0), (2, 1), (5, 4), (3, 3)]:
+            assert torch.equal(host.tensor[h], original[d])
+        dev[1:3].zero_()
+        # Duplex: host 0, 1 back into device 6, 7 while block 0 goes out to host 5.
+        await stub.Transfer(plan_to_proto(_plan(2, out=[(0, 5)], into=[(0, 6), (1, 7)]),
+                                          pool.pool_id))
+        assert torch.equal(dev[6], original[1]) and torch.equal(dev[7], original[2])
+        assert torch.equal(host.tensor[5], original[0])
+        # One device block as D2H source and H2D target in the same batch: the copy out
+        # must read it before the copy in overwrites it.
+        before = dev[4].clone()
+        await stub.Transfer(plan_to_proto(_plan(3, out=[(4, 2)], into=[(3, 4)]), pool.pool_id))
+        assert torch.equal(host.tensor[2], before) and torch.equal(dev[4], original[3])
+        assert service.ordered_batches == 1
+
+        for bad, code in [
+            (plan_to_proto(_plan(4, out=[(0, 0)]), "another-pool"),
+             grpc.StatusCode.FAILED_PRECONDITION),
+            (plan_to_proto(_plan(5, out=[(8, 0)]), pool.pool_id), grpc.StatusCode.INVALID_ARGUMENT),
+            (plan_to_proto(_plan(6, into=[(6, 0)]), pool.pool_id),
+             grpc.StatusCode.INVALID_ARGUMENT),
+        ]:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Transfer(bad)
+            assert e.value.code() is code
+        stats = await stub.GetStats(kvmem_pb2.KVMemStatsRequest())
+        assert (stats.transfers, stats.blocks_d2h, stats.blocks_h2d) == (3, 6, 3)
+        assert stats.pool_id == pool.pool_id and stats.mode == "shm+duplex-threads"
+
+        # A restarted worker: new pool, same block shape. Orders for the old pool are
+        # refused; host copies (the KV of rotary requests) survive the re-attach.
+        pool2 = DevicePool.create(SHAPE, torch.float32)
+        try:
+            await stub.AttachPool(pool2.handle())
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Transfer(plan_to_proto(_plan(7, out=[(0, 0)]), pool.pool_id))
+            assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            await stub.Transfer(plan_to_proto(_plan(8, into=[(4, 0)]), pool2.pool_id))
+            assert torch.equal(pool2.tensor[0], original[5])
+        finally:
+            pool2.close()
+
+    try:
+        run(lambda: _with_kvmem(body, host_blocks=6))
+    finally:
+        pool.close()
+
+
+def test_kvmem_refuses_a_pool_it_cannot_map() -> None:
+    async def body(stub: kvmem_pb2_grpc.KVMemStub, service: KVMemService) -> None:
+        handle = worker_pb2.KVPoolHandle(pool_id="x", kind="shm", shm_name="si-kv-missing",
+                                         shape=list(SHAPE), dtype="float32")
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.AttachPool(handle)
+        assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(grpc.aio.AioRpcError) as e:  # nothing attached: no transfer
+            await stub.Transfer(plan_to_proto(_plan(1, out=[(0, 0)]), "x"))
+        assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+
+    run(lambda: _with_kvmem(body, host_blocks=4))
+
+
+# -- wire format -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", [None, 0, 2**40])
+def test_chunks_survive_the_wire(seed: int | None) -> None:
+    c = ScheduledChunk("r1", [5, 6, 7], 32, [3, 9, 1], True, 0.5, 0.75, 40, seed, 7)
+    assert chunk_from_proto(chunk_to_proto(c)) == c
+
+
+def test_transfer_plans_pack_source_first() -> None:
+    m = plan_to_proto(_plan(3, out=[(1, 10)], into=[(20, 2)], eager=[(4, 40)]), "p")
+    assert (list(m.swap_out.src), list(m.swap_out.dst)) == ([1], [10])  # device -> host
+    assert (list(m.swap_in.src), list(m.swap_in.dst)) == ([20], [2])  # host -> device
+    assert (list(m.eager.src), list(m.eager.dst)) == ([4], [40])
+    assert m.fence == 3 and m.pool_id == "p"
+
+
+# -- the iteration loop, against the KV-checking fakes ----------------------------------------------
+class FakeWorker:
+    """CheckingExecutor behind the RemoteWorker interface; can be told to fail."""
+
+    def __init__(self, store: KVStore) -> None:
+        self.truth: dict[str, list[int]] = {}
+        self.inner = CheckingExecutor(store, self.truth)
+        self.fail_next = False
+
+    async def execute(self, iteration: int, chunks: list[ScheduledChunk],
+                      pool_id: str) -> ExecuteResult:
+        await asyncio.sleep(0)
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("worker exploded")
+        result = self.inner.execute(chunks)
+        for rid, tok in result.sampled.items():
+            self.truth[rid].append(tok)
+        return result
+
+    async def kv_pool(self) -> worker_pb2.KVPoolHandle:
+        return worker_pb2.KVPoolHandle(pool_id="pool-2", shape=[16, 1, 2, 4, 1, 1])
+
+
+class FakeKVMem:
+    def __init__(self, store: KVStore) -> None:
+        self.store = store
+
+    async def transfer(self, plan: TransferPlan, pool_id: str) -> kvmem_pb2.TransferReply:
+        await asyncio.sleep(0)
+        self.store.transfer(plan)
+        return kvmem_pb2.TransferReply(fence=plan.fence)
+
+    async def attach(self, handle: worker_pb2.KVPoolHandle) -> kvmem_pb2.AttachReply:
+        return kvmem_pb2.AttachReply(host_blocks=64, pool_id=handle.pool_id)
+
+
+def _loop(device_blocks: int = 16) -> tuple[ServingLoop, FakeWorker]:
+    sched = Scheduler(
+        SchedulerConfig(num_device_blocks=device_blocks, num_host_blocks=64, block_size=4,
+                        max_batched_tokens=32, eager_budget_blocks=4),
+        make_policy("lvf"),
+    )
+    store = KVStore(device_blocks, 64, 4)
+    worker = FakeWorker(store)
+    return ServingLoop(sched, worker, FakeKVMem(store), "pool-1"), worker  # type: ignore[arg-type]
+
+
+def _submit(loop: ServingLoop, worker: FakeWorker, rid: str, prompt: list[int],
+            n: int) -> asyncio.Queue[StreamEvent]:
+    worker.truth[rid] = list(prompt)
+    return loop.submit(Request(rid, list(prompt), SamplingParams(max_tokens=n, ignore_eos=True),
+                               arrival_time=loop.scheduler.clock(), slo=SLO(0.05, 0.01)))
+
+
+async def _drain(q: asyncio.Queue[StreamEvent]) -> list[StreamEvent]:
+    events = [await q.get()]
+    while not events[-1].finish_reason:
+        events.append(await q.get())
+    return events
+
+
+def _expected(prompt: list[int], n: int) -> list[int]:
+    ctx = list(prompt)
+    for _ in range(n):
+        ctx.append(next_token(ctx))
+    return ctx[len(prompt):]
+
+
+def test_loop_streams_every_token_through_rotation_and_frees_all_blocks() -> None:
+    async def body() -> None:
+        loop, worker = _loop(device_blocks=16)
+        task = asyncio.create_task(loop.run())
+        prompts = [[i, i + 1, i + 2, 3 * i] for i in range(12)]
+        queues = [_submit(loop, worker, f"r{i}", p, 20) for i, p in enumerate(prompts)]
+        results = await asyncio.wait_for(asyncio.gather(*map(_drain, queues)), 60)
+        for p, events in zip(prompts, results):
+            assert [t for ev in events for t in ev.token_ids] == _expected(p, 20)
+            assert events[-1].finish_reason == "length" and events[-1].summary is not None
+            assert [ev.output_tokens for ev in events] == list(range(1, 21))
+        s = loop.scheduler
+        assert s.stats.rotations > 0  # 12 x 6 blocks against 16: the loop had to rotate
+        assert s.bm.num_free_device == 16 and s.bm.num_free_host == 64
+        assert not loop.streams
+        task.cancel()
+
+    run(body)
+
+
+def test_loop_abort_stop_and_dropped_streams_end_cleanly() -> None:
+    async def body() -> None:
+        loop, worker = _loop()
+        task = asyncio.create_task(loop.run())
+        qa = _submit(loop, worker, "a", [1, 2, 3], 1000)
+        qb = _submit(loop, worker, "b", [4, 5, 6], 1000)
+        _submit(loop, worker, "c", [7, 8, 9], 1000)
+        await qa.get()
+        await qb.get()
+        assert loop.finish("a", "stop") and not loop.finish("a", "stop")
+        assert loop.finish("b", "abort")
+        loop.drop("c")  # the client of c went away
+        ea, eb = await _drain(qa), await _drain(qb)
+        assert ea[-1].finish_reason == "stop" and eb[-1].finish_reason == "abort"
+        assert not loop.scheduler.has_unfinished() and not loop.streams
+        assert loop.scheduler.bm.num_free_device == 16
+        assert loop.scheduler.stats.aborted == 2
+        task.cancel()
+
+    run(body)
+
+
+def test_loop_fails_in_flight_requests_on_a_peer_error_and_recovers() -> None:
+    async def body() -> None:
+        loop, worker = _loop()
+        task = asyncio.create_task(loop.run())
+        q = _submit(loop, worker, "a", [1, 2, 3], 1000)
+        await q.get()
+        worker.fail_next = True
+        events = await asyncio.wait_for(_drain(q), 10)
+        assert events[-1].finish_reason == "error"
+        assert loop.scheduler.bm.num_free_device == 16 and loop.stats.backend_errors == 1
+        # The next request is served, after the loop re-read the worker's pool.
+        q2 = _submit(loop, worker, "b", [1, 2, 3], 3)
+        events = await asyncio.wait_for(_drain(q2), 10)
+        assert [t for ev in events for t in ev.token_ids] == _expected([1, 2, 3], 3)
+        assert loop.pool_id == "pool-2"
+        task.cancel()
+
+    run(body)
+
+
+# -- flags and processes -----------------------------------------------------------------------------
+def _serve_args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    services_cli._add_serve(p)
+    return p.parse_args(list(argv))
+
+
+def test_each_engine_flag_goes_to_the_service_that_owns_it() -> None:
+    args = _serve_args("--device-blocks", "24", "--host-blocks", "99", "--policy", "fcfs",
+                       "--block-size", "8", "--worker-port", "6001", "--run-dir", "/tmp/x")
+    specs = {s.name: s.argv for s in services_cli.service_specs(args)}
+    worker, kvmem, sched = specs["worker"], specs["kvmem"], specs["scheduler"]
+
+    def flag(argv: list[str], name: str) -> str | None:
+        return argv[argv.index(name) + 1] if name in argv else None
+
+    assert flag(worker, "--device-blocks") == "24" and flag(worker, "--block-size") == "8"
+    assert flag(worker, "--port") == "6001" and flag(worker, "--host") == "127.0.0.1"
+    assert flag(kvmem, "--host-blocks") == "99" and "--device-blocks" not in kvmem
+    assert flag(sched, "--policy") == "fcfs" and flag(sched, "--worker-addr") == "127.0.0.1:6001"
+    for argv in (worker, kvmem):
+        assert "--policy" not in argv
+    for name in ("--device-blocks", "--block-size", "--host-blocks", "--dtype", "--model"):
+        assert name not in sched
+    assert all(flag(a, "--run-dir") == "/tmp/x" for a in (worker, kvmem, sched))
+    if "gateway" in specs:
+        assert flag(specs["gateway"], "--scheduler-addr") == "127.0.0.1:50051"
+        assert flag(specs["gateway"], "--port") == "8000"
+
+
+def test_pid_file_refuses_a_second_live_copy(tmp_path: Path) -> None:
+    path = tmp_path / "worker.pid"
+    path.write_text("1\n")  # pid 1 is alive: another copy "runs"
+    with pytest.raises(RuntimeError, match="running process 1"):
+        PidFile(path).acquire()
+    path.write_text("999999999\n")  # stale: taken over
+    pid = PidFile(path)
+    pid.acquire()
+    assert path.read_text().strip() == str(os.getpid())
+    pid.release()
+    assert not path.exists()
+
+
+def test_supervisor_reports_a_child_that_dies_while_starting(tmp_path: Path) -> None:
+    sup = Supervisor(tmp_path, stop_timeout_s=5)
+    spec = ServiceSpec("broken", [sys.executable, "-c", "print('no model here'); raise SystemExit(3)"],
+                       (lambda: False, lambda: None))
+    with pytest.raises(ServiceFailed) as e:
+        sup.start(spec, timeout_s=30)
+    assert "exited with code 3" in str(e.value) and "no model here" in e.value.tail
+    sup.stop_all()
+
+
+def test_supervisor_stops_children_with_sigterm_then_sigkill(tmp_path: Path) -> None:
+    with socket.socket() as s:  # readiness = the child listens; like a health check
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    listen = (f"import socket,time; s=socket.socket(); s.bind(('127.0.0.1',{port})); s.listen(); "
+              "time.sleep(60)")
+    marker = tmp_path / "ignoring"
+    stubborn = ("import pathlib,signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                f"pathlib.Path({str(marker)!r}).touch(); time.sleep(60)")
+
+    def ready() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return True
+        except OSError:
+            return False
+
+    sup = Supervisor(tmp_path, stop_timeout_s=1)
+    sup.start(ServiceSpec("polite", [sys.executable, "-c", listen], (ready, lambda: None)), 30)
+    sup.start(ServiceSpec("stubborn", [sys.executable, "-c", stubborn],
+                          (marker.exists, lambda: None)), 30)
+    procs = [c.proc for c in sup.children]
+    sup.stop_all()
+    assert procs[0].returncode == -15 and procs[1].returncode == -9

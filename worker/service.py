@@ -1,0 +1,164 @@
+"""The worker's gRPC service (proto Worker): model weights, the device KV pool, Execute.
+
+It keeps no request state: every chunk carries its tokens, positions and block table,
+and the pool id on each batch tells a restarted worker's new pool from the old one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from dataclasses import dataclass
+
+import grpc
+import structlog
+import torch
+
+from proto import scheduler_pb2, worker_pb2, worker_pb2_grpc
+from scheduler_svc.interfaces import ScheduledChunk
+from scheduler_svc.wire import chunk_from_proto
+from superinfer.config import EngineConfig
+from superinfer.daemon import Daemon, run_daemon
+from superinfer.engine import DTYPES
+from superinfer.modelfile import resolve_model
+from worker.kv_pool import DevicePool
+from worker.loader import load_weights
+from worker.model import LlamaModel
+from worker.runner import KVShape, ModelRunner, kv_block_bytes
+
+log = structlog.get_logger()
+
+# The model runner computes on the CPU; the pool follows it. A CUDA runner would pass
+# "cuda" here and DevicePool exports the pool with a CUDA IPC handle instead.
+POOL_DEVICE = "cpu"
+
+
+@dataclass(slots=True)
+class Loaded:
+    runner: ModelRunner
+    pool: DevicePool
+    info: scheduler_pb2.ModelInfo
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.loaded: Loaded | None = None
+        self._lock = asyncio.Lock()  # one batch at a time: batches write the shared pool
+
+    async def load(self) -> None:
+        cfg = self.config
+        dtype = DTYPES[cfg.dtype]
+        t0 = time.perf_counter()
+        source = resolve_model(cfg.model)
+        mcfg, weights = await asyncio.to_thread(load_weights, source.path, source.kind, dtype)
+        num_blocks, _ = cfg.blocks_for(kv_block_bytes(mcfg, cfg.block_size, dtype))
+        shape = KVShape(num_blocks, mcfg.num_layers, cfg.block_size, mcfg.num_kv_heads,
+                        mcfg.head_dim)
+        model = LlamaModel(mcfg, weights)
+        # Nothing may fail between making the pool and recording it (stop() unlinks it).
+        # A stop during the load above cancels this coroutine there: no pool is made.
+        pool = DevicePool.create(shape.shape, dtype, POOL_DEVICE)
+        runner = ModelRunner(model, pool.tensor, cfg.block_size)
+        info = scheduler_pb2.ModelInfo(
+            name=source.name,
+            max_model_len=mcfg.max_position,
+            vocab_size=mcfg.vocab_size,
+            num_layers=mcfg.num_layers,
+            num_kv_heads=mcfg.num_kv_heads,
+            head_dim=mcfg.head_dim,
+            block_size=cfg.block_size,
+            dtype=cfg.dtype,
+            source_kind=source.kind,
+            source_path=str(source.path),
+        )
+        self.loaded = Loaded(runner, pool, info)
+        handle = pool.handle()
+        log.info("loaded", model=source.name, device_blocks=num_blocks,
+                 pool_gib=round(handle.nbytes / 2**30, 3), pool_id=pool.pool_id,
+                 pool=handle.shm_name or handle.kind, load_s=round(time.perf_counter() - t0, 2))
+
+    def close(self) -> None:
+        loaded, self.loaded = self.loaded, None
+        if loaded is not None:
+            loaded.runner.kv = torch.empty(0)  # drop the last view before unmapping
+            loaded.pool.close()
+
+    async def _ready(self, context: grpc.aio.ServicerContext) -> Loaded:
+        loaded = self.loaded
+        if loaded is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model")
+            raise RuntimeError("not reached: abort raises")
+        return loaded
+
+    # -- gRPC ------------------------------------------------------------------------------
+    async def Execute(
+        self, request: worker_pb2.ExecuteRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ExecuteReply:
+        w = await self._ready(context)
+        if request.pool_id != w.pool.pool_id:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"batch for pool {request.pool_id!r}; this worker's pool is {w.pool.pool_id!r}",
+            )
+        chunks = [chunk_from_proto(c) for c in request.chunks]
+        problem = _check_chunks(chunks, w.pool.num_blocks, w.runner.block_size,
+                                w.info.vocab_size)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        async with self._lock:
+            result = await asyncio.to_thread(w.runner.execute, chunks)
+        return worker_pb2.ExecuteReply(
+            request_ids=list(result.sampled),
+            token_ids=list(result.sampled.values()),
+            execute_s=result.execute_s,
+        )
+
+    async def GetKVPool(
+        self, request: worker_pb2.KVPoolRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.KVPoolHandle:
+        return (await self._ready(context)).pool.handle()
+
+    async def GetModelInfo(
+        self, request: scheduler_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ModelInfo:
+        return (await self._ready(context)).info
+
+
+def _check_chunks(
+    chunks: list[ScheduledChunk], num_blocks: int, block_size: int, vocab: int
+) -> str | None:
+    """A malformed batch must come back as an error, not crash the forward pass."""
+    for c in chunks:
+        end = c.start_pos + len(c.token_ids)
+        if not c.token_ids or c.start_pos < 0:
+            return f"{c.request_id}: empty chunk or negative start position"
+        if len(c.block_table) * block_size < end:
+            return f"{c.request_id}: block table covers fewer than {end} positions"
+        if any(not 0 <= b < num_blocks for b in c.block_table):
+            return f"{c.request_id}: block table names a block outside the pool ({num_blocks})"
+        if any(not 0 <= t < vocab for t in c.token_ids):
+            return f"{c.request_id}: token id outside the vocabulary ({vocab})"
+    return None
+
+
+class WorkerDaemon(Daemon):
+    name = "worker"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        torch.set_grad_enabled(False)
+        self.service = WorkerService(EngineConfig.from_args(args))
+
+    def register(self, server: grpc.aio.Server) -> None:
+        worker_pb2_grpc.add_WorkerServicer_to_server(self.service, server)
+
+    async def start(self) -> None:
+        await self.service.load()
+
+    async def stop(self) -> None:
+        self.service.close()
+
+
+def main(args: argparse.Namespace) -> int:
+    return run_daemon(WorkerDaemon(args), args)
