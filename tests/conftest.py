@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+import superinfer  # noqa: F401  (OpenMP wait policy, before anything loads torch)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]

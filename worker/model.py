@@ -30,6 +30,10 @@ class AttentionGroup:
     start_pos: int
     is_decode: bool
     mask: torch.Tensor | None = None  # [B, 1, Lq, Lk] boolean, True = attend
+    # Fresh prompts (no cached prefix) padded into one batch: pad_index [n] maps each of
+    # the group's rows to its slot in a [B * max_len] padded layout.
+    pad_index: torch.Tensor | None = None
+    pad_shape: tuple[int, int] = (0, 0)  # (B, max_len)
 
 
 @dataclass(slots=True)
@@ -72,16 +76,27 @@ class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
         self.cfg = cfg
         self.w = weights
-        self.layers = [
-            {k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")}
-            for i in range(cfg.num_layers)
-        ]
+        self.layers = [self._fuse(weights, i) for i in range(cfg.num_layers)]
+        for key in [k for k in weights if k.startswith("layers.")]:
+            del weights[key]  # the fused copies above replace them
         inv = rope_inv_freq(cfg)
         t = torch.arange(cfg.max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv)  # [P, hd/2]
         self.cos = freqs.cos()
         self.sin = freqs.sin()
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    @staticmethod
+    def _fuse(weights: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+        """One layer's weights with q/k/v and gate/up each fused into one matrix: two
+        matmuls fewer per layer, which matters at small batch on a CPU."""
+        w = {k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")}
+        out = {k: w[k] for k in ("input_norm", "post_norm", "o_proj", "down_proj")}
+        out["qkv"] = torch.cat((w["q_proj"], w["k_proj"], w["v_proj"]), 0).contiguous()
+        if "q_bias" in w:
+            out["qkv_bias"] = torch.cat((w["q_bias"], w["k_bias"], w["v_bias"]), 0)
+        out["gate_up"] = torch.cat((w["gate_proj"], w["up_proj"]), 0).contiguous()
+        return out
 
     @property
     def dtype(self) -> torch.dtype:
@@ -110,9 +125,10 @@ class LlamaModel:
         sin = self.sin[meta.positions].unsqueeze(1).to(x.dtype)
         for li, lw in enumerate(self.layers):
             h = self._rms(x, lw["input_norm"])
-            q = F.linear(h, lw["q_proj"], lw.get("q_bias")).view(T, hq, hd)
-            k = F.linear(h, lw["k_proj"], lw.get("k_bias")).view(T, hkv, hd)
-            v = F.linear(h, lw["v_proj"], lw.get("v_bias")).view(T, hkv, hd)
+            qkv = F.linear(h, lw["qkv"], lw.get("qkv_bias"))  # [T, (Hq + 2 Hkv) hd]
+            q = qkv[:, : hq * hd].view(T, hq, hd)
+            k = qkv[:, hq * hd : (hq + hkv) * hd].view(T, hkv, hd)
+            v = qkv[:, (hq + hkv) * hd :].view(T, hkv, hd)
             q = self._rope(q, cos, sin)
             k = self._rope(k, cos, sin)
             # Write this step's K/V into the pool: kv[block, layer, {K,V}, offset] = ...
@@ -122,8 +138,8 @@ class LlamaModel:
                 attn[g.q_start : g.q_end] = self._attend(q[g.q_start : g.q_end], k, v, g, kv, li)
             x = x + F.linear(attn.view(T, hq * hd), lw["o_proj"])
             h = self._rms(x, lw["post_norm"])
-            x = x + F.linear(F.silu(F.linear(h, lw["gate_proj"])) * F.linear(h, lw["up_proj"]),
-                             lw["down_proj"])
+            gate, up = F.linear(h, lw["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, lw["down_proj"])
         x = self._rms(x[meta.logits_index], self.w["norm"])
         return F.linear(x, self.w["lm_head"]).float()
 
@@ -137,6 +153,22 @@ class LlamaModel:
         layer: int,
     ) -> torch.Tensor:
         # q: [n, Hq, hd] -> returns [n, Hq, hd]
+        if g.pad_index is not None:
+            # Fresh prompts: their own K/V is their whole context. Pad them into one batch
+            # [B, L] and run causal attention once for all of them.
+            B, L = g.pad_shape
+
+            def pad(t: torch.Tensor) -> torch.Tensor:
+                out = t.new_zeros(B * L, *t.shape[1:])
+                out[g.pad_index] = t
+                return out.view(B, L, *t.shape[1:]).transpose(1, 2)  # [B, H, L, hd]
+
+            o = F.scaled_dot_product_attention(
+                pad(q), pad(k_new[g.q_start : g.q_end]).to(q.dtype),
+                pad(v_new[g.q_start : g.q_end]).to(q.dtype),
+                attn_mask=g.mask, scale=self.scale, enable_gqa=True,
+            )  # [B, Hq, L, hd]
+            return o.transpose(1, 2).reshape(B * L, *q.shape[1:])[g.pad_index]
         if not g.is_decode and g.start_pos == 0:
             # A fresh prompt chunk: its own K/V is the whole context, plain causal attention.
             kk = k_new[g.q_start : g.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, hd]

@@ -105,6 +105,12 @@ class ModelRunner:
             groups.append(AttentionGroup(0, len(decodes), tables, lens, 0, True,
                                          mask[:, None, None, :]))
             order.extend(s for s, _ in decodes)
+        fresh = [(s, c) for s, c in prefills if c.start_pos == 0]
+        if len(fresh) > 1:
+            prefills = [(s, c) for s, c in prefills if c.start_pos != 0]
+            groups.append(self._fresh_group(fresh, len(order)))
+            for s, c in fresh:
+                order.extend(range(s, s + len(c.token_ids)))
         for s, c in prefills:
             n = len(c.token_ids)
             q0 = len(order)
@@ -127,6 +133,20 @@ class ModelRunner:
             logits_index=inv[torch.tensor(logits_rows, dtype=torch.long)],
         )
         return torch.tensor(ids)[perm], meta
+
+    @staticmethod
+    def _fresh_group(fresh: list[tuple[int, ScheduledChunk]], q0: int) -> AttentionGroup:
+        """Prompts with no cached prefix, attended together as one padded, causal batch."""
+        lens = [len(c.token_ids) for _, c in fresh]
+        B, L = len(fresh), max(lens)
+        pad_index = torch.cat([torch.arange(n) + b * L for b, n in enumerate(lens)])
+        lens_t = torch.tensor(lens)
+        ar = torch.arange(L)
+        # Row i attends to keys j <= i of its own prompt; padded rows still see key 0 (no
+        # all-masked row, which would give NaN) and are dropped afterwards.
+        mask = (ar[None, :] <= ar[:, None])[None] & (ar[None, None, :] < lens_t[:, None, None])
+        return AttentionGroup(q0, q0 + sum(lens), torch.empty(0), lens_t, 0, False,
+                              mask[:, None], pad_index, (B, L))
 
     def execute(self, chunks: list[ScheduledChunk]) -> ExecuteResult:
         t0 = time.perf_counter()

@@ -34,6 +34,7 @@ PROMPTS = [
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3, help="runs per side; the best is kept")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -98,10 +99,17 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         prompts = [encoded[i % len(encoded)] for i in range(b)]
-        ttft, tps = _ours(engine, prompts, args.new_tokens)
+        ours, theirs = [], []
+        # Alternate the two sides and keep each one's best run: on a shared machine the
+        # best of a few runs is the least disturbed measure of what each can do.
+        for _ in range(args.repeats):
+            ours.append(_ours(engine, prompts, args.new_tokens))
+            if hf is not None:
+                theirs.append(_hf(hf, prompts, args.new_tokens))
+        ttft, tps = min(o[0] for o in ours), max(o[1] for o in ours)
         row: dict[str, Any] = {"batch": b, "ttft_s": ttft, "decode_tok_s": tps}
         if hf is not None:
-            h_ttft, h_tps = _hf(hf, prompts, args.new_tokens)
+            h_ttft, h_tps = min(t[0] for t in theirs), max(t[1] for t in theirs)
             row.update(hf_ttft_s=h_ttft, hf_decode_tok_s=h_tps,
                        decode_ratio=tps / h_tps, ttft_ratio=h_ttft / ttft)
         rows.append(row)
@@ -111,5 +119,5 @@ def run(args: argparse.Namespace) -> int:
           f"{torch.get_num_threads()} threads (ratios > 1: SuperInfer ahead)")
     print(table(keys, [[r.get(k, "") for k in keys] for r in rows]))
     write_json(args.json, {"new_tokens": args.new_tokens, "threads": torch.get_num_threads(),
-                           "results": rows})
+                           "repeats": args.repeats, "results": rows})
     return 0
