@@ -262,7 +262,12 @@ class Scheduler:
         ]
         cap = limits.xfer_budget_blocks
         for q in queue:
-            if plan.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if plan.budget <= 0:
+                break
+            # With every seat taken, a candidate must displace someone (LVF may; FCFS-like
+            # policies wait for a seat to free up).
+            need_seat = len(self.running) >= self.config.max_num_seqs
+            if need_seat and (fcfs_mode or not victims):
                 break
             if q.request_id in plan.displaced:
                 continue  # taken off the device this iteration: its D2H copy is in flight
@@ -275,14 +280,20 @@ class Scheduler:
             # A request larger than B_xfer may still move alone, or it would starve.
             if cap is not None and plan.xfer_used and plan.xfer_used + cost > cap:
                 break
-            chosen = [] if fcfs_mode else self._pick_victims(q, need, rotary, cost, victims, plan)
+            chosen = (
+                []
+                if fcfs_mode
+                else self._pick_victims(q, need, rotary, cost, victims, plan, need_seat)
+            )
             if chosen is None:
-                break  # stop at the first request that cannot be served
+                if policy.skip_unservable:
+                    continue  # serve who can be served; q's lag keeps growing meanwhile
+                break  # strict order: stop at the first request that cannot be served
             for v in chosen:
                 self._preempt(v, plan)
             n = min(q.num_tokens - q.num_computed_tokens, plan.budget)
             need = bm.blocks_for(q.num_computed_tokens + n)
-            if need > self._room(rotary) or n <= 0:
+            if need > self._room(rotary) or n <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if rotary:
                 bm.swap_in(q)
@@ -305,7 +316,14 @@ class Scheduler:
         return self.bm.num_free_device if for_swap_in else self.bm.num_free_for_compute
 
     def _pick_victims(
-        self, q: Request, need: int, rotary: bool, cost: int, victims: list[Request], plan: _Plan
+        self,
+        q: Request,
+        need: int,
+        rotary: bool,
+        cost: int,
+        victims: list[Request],
+        plan: _Plan,
+        need_seat: bool = False,
     ) -> list[Request] | None:
         """Victims whose preemption makes room for `q` within B_xfer; None if impossible.
 
@@ -316,7 +334,7 @@ class Scheduler:
         cap = policy.limits.xfer_budget_blocks
         room, moved, chosen = self._room(rotary), plan.xfer_used + cost, []
         for v in victims:
-            if need <= room:
+            if need <= room and (chosen or not need_seat):
                 break
             if v.state is not RequestState.RUNNING:
                 continue
@@ -331,7 +349,7 @@ class Scheduler:
             room += held - out_cost if rotary and policy.offload else held
             moved += out_cost
             chosen.append(v)
-        return chosen if need <= room else None
+        return chosen if need <= room and (chosen or not need_seat) else None
 
     def _preempt(self, victim: Request, plan: _Plan) -> None:
         """Take a running request off the device: rotate it out, or recompute later."""

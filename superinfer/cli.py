@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     from superinfer import bench_cli
 
     bench_cli.add_parser(sub)
+    from superinfer.sim import cli as sim_cli
+
+    sim_cli.add_parser(sub)
     try:
         from superinfer import services_cli
     except ImportError:  # the services are optional in a partial install

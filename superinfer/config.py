@@ -29,7 +29,7 @@ class EngineConfig:
     beta_b: float = 0.0
     beta_f: float = 0.5
     xfer_budget_blocks: int | None = None  # B_xfer; None = unlimited
-    min_residency: int = 2
+    min_residency: int = 32  # iterations; measured in the simulator (docs/sim)
     vlt_margin: float = 0.0
     eager_budget_blocks: int = 32
     ttft_slo: float = 5.0
@@ -106,7 +106,8 @@ class EngineConfig:
         s.add_argument("--beta-b", type=float, default=0.0)
         s.add_argument("--beta-f", type=float, default=0.5)
         s.add_argument("--xfer-budget-blocks", type=int, default=None, help="B_xfer")
-        s.add_argument("--min-residency", type=int, default=2)
+        s.add_argument("--min-residency", type=int, default=32,
+                       help="iterations a (re)admitted request is safe from rotation")
         s.add_argument("--vlt-margin", type=float, default=0.0)
         s.add_argument("--eager-budget-blocks", type=int, default=32)
         s.add_argument("--ttft-slo", type=float, default=5.0, help="default TTFT SLO, seconds")

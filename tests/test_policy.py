@@ -163,3 +163,55 @@ def test_min_residency_protects_a_swapped_in_request() -> None:
     # All four were admitted in iteration 1 and are inside their residency: nobody moves.
     assert "new" not in [c.request_id for c in out.chunks]
     assert s.stats.preemptions == 0
+
+
+def test_lvf_skips_an_unservable_head_and_serves_the_next() -> None:
+    t = [0.0]
+    s = Scheduler(
+        SchedulerConfig(num_device_blocks=6, num_host_blocks=64, block_size=4,
+                        max_batched_tokens=64, eager_budget_blocks=0),
+        make_policy("lvf", P, RotationLimits(min_residency=1000)), clock=lambda: t[0],
+    )
+    s.add_request(Request("small-running", list(range(7)), SamplingParams(max_tokens=50), 0.0))
+    s.update_from_output(out := s.schedule(), _sampled(out))
+    s.add_request(Request("big", list(range(19)), SamplingParams(max_tokens=5), 0.0))  # 5 blocks
+    s.add_request(Request("small", list(range(7)), SamplingParams(max_tokens=5), 0.5))  # 2 blocks
+    t[0] = 10.0  # both lag; "big" lags most but cannot fit while "small-running" is resident
+    out = s.schedule()
+    ids = [c.request_id for c in out.chunks]
+    assert "big" not in ids and "small" in ids
+    fcfs = Scheduler(
+        SchedulerConfig(num_device_blocks=6, num_host_blocks=64, block_size=4,
+                        max_batched_tokens=64, eager_budget_blocks=0),
+        make_policy("swapped-first"), clock=lambda: t[0],
+    )
+    t[0] = 0.0
+    fcfs.add_request(Request("small-running", list(range(7)), SamplingParams(max_tokens=50), 0.0))
+    fcfs.update_from_output(out := fcfs.schedule(), _sampled(out))
+    fcfs.add_request(Request("big", list(range(19)), SamplingParams(max_tokens=5), 0.0))
+    fcfs.add_request(Request("small", list(range(7)), SamplingParams(max_tokens=5), 0.5))
+    out = fcfs.schedule()
+    assert [c.request_id for c in out.chunks] == ["small-running"]  # strict order: HOL blocked
+
+
+def test_lvf_rotates_out_to_free_a_seat() -> None:
+    t = [0.0]
+    s = Scheduler(
+        SchedulerConfig(num_device_blocks=100, num_host_blocks=64, block_size=4,
+                        max_batched_tokens=64, max_num_seqs=2, eager_budget_blocks=0),
+        make_policy("lvf", P), clock=lambda: t[0],
+    )
+    for i in range(2):
+        s.add_request(Request(f"r{i}", list(range(7)), SamplingParams(max_tokens=500), 0.0,
+                              slo=SLO(1.0, 0.1)))
+    # Long prompts so that not everything fits and LVF leaves FCFS mode.
+    s.add_request(Request("new", list(range(7)), SamplingParams(max_tokens=500), 0.0,
+                          slo=SLO(1.0, 0.1)))
+    s.config.num_device_blocks = 100
+    s.update_from_output(out := s.schedule(), _sampled(out))
+    assert len(s.running) == 2
+    t[0] = 3.0
+    for r in s.running:
+        r.output_token_ids.extend([1] * 400)  # grow demand past the pool: rotation mode
+    out = s.schedule()
+    assert "new" in [c.request_id for c in out.chunks] and len(s.running) == 2

@@ -28,6 +28,10 @@ class Policy(ABC):
     fcfs_when_fits: bool = False
     # vLLM 0.6: no swap-in in an iteration that had to preempt.
     no_swap_in_after_preemption: bool = False
+    # False: admission stops at the first request that cannot be served (strict order, as
+    # vLLM); True: it skips that one and serves the next (LVF: the simulator measured the
+    # strict rule blocking new requests behind a large rotary one, docs/sim/README.md).
+    skip_unservable: bool = False
     limits: RotationLimits = RotationLimits()
 
     @abstractmethod

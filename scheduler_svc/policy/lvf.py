@@ -11,6 +11,7 @@ class LVFPolicy(Policy):
     name = "lvf"
     offload = True
     fcfs_when_fits = True
+    skip_unservable = True
 
     def __init__(self, params: VLTParams, limits: RotationLimits) -> None:
         self.params = params

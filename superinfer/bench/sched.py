@@ -24,12 +24,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="lvf")
     p.add_argument("--iterations", type=int, default=30, help="timed schedule() calls")
     p.add_argument("--xfer-budget-blocks", type=int, default=2400, help="B_xfer (GH200 default)")
-    p.add_argument("--min-residency", type=int, default=2)
+    p.add_argument("--min-residency", type=int, default=32)
     p.add_argument("--json", default=None, help="write results to this JSON file")
 
 
 def measure(live: int, policy: str, iterations: int, xfer_budget: int | None = 2400,
-            min_residency: int = 2, seed: int = 0) -> dict[str, float]:
+            min_residency: int = 32, seed: int = 0) -> dict[str, float]:
     rng = random.Random(seed)
     clock = [0.0]
     bs = 16

@@ -1,0 +1,378 @@
+"""`superinfer sim`: sweep policies x request rates on a simulated machine (DESIGN 7).
+
+    superinfer sim --hardware gh200 --model qwen2.5-32b --dataset sharegpt \\
+        --rps 5,8,11,14,17,20 --duration 120 --policies lvf,swapped-first,waiting-first,fcfs \\
+        --json out.json --plot out.png
+    superinfer sim calibrate            # measure this machine -> profiles/hardware/cpu-local.json
+
+A policy entry may carry per-run overrides, e.g. `lvf:xfer=300:layout=layer-first:duplex=off:
+eager=0:label=lvf-vllm-offload` (keys: alpha, beta_b, beta_f, xfer, min_res, margin, eager,
+layout, duplex, pipeline, label), so one command can run an ablation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from superinfer.sim.cost import LAYOUTS
+from superinfer.sim.engine import (
+    AUTO,
+    DEFAULT_MIN_RESIDENCY,
+    DEFAULT_VLT_MARGIN,
+    PolicyVariant,
+    SimConfig,
+    SimResult,
+    SimulationError,
+    parse_budget,
+    simulate,
+)
+from superinfer.sim.profile import (
+    HardwareProfile,
+    ModelProfile,
+    ProfileError,
+    available,
+    load_hardware,
+    load_model,
+)
+from superinfer.workload import SYNTHETIC, WorkloadError, WorkloadSpec, build_trace, trace_stats
+
+RESULT_KEYS = (
+    "ttft_attainment", "tbt_attainment", "p50_ttft_s", "p99_ttft_s", "p50_tbt_s", "p99_tbt_s",
+    "goodput_rps", "throughput_tok_s", "rotations",
+)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "sim", help="simulate the scheduler on a modelled machine (policies x request rates)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(p)
+    p.set_defaults(func=run)
+    ssub = p.add_subparsers(dest="sim_command")
+    c = ssub.add_parser("calibrate", help="measure this machine and write the cpu-local profile")
+    c.add_argument("--out", default=None,
+                   help="where to write the profile (default: the bundled cpu-local.json)")
+    c.add_argument("--quick", action="store_true", help="fewer repetitions (a rough profile)")
+    c.set_defaults(func=_calibrate)
+
+
+def _rates(text: str) -> list[float]:
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            v = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a rate: {part!r}") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"rates must be positive, got {part}")
+        out.append(v)
+    if not out:
+        raise argparse.ArgumentTypeError("give at least one rate")
+    return out
+
+
+def _budget(text: str) -> int | None:
+    try:
+        return parse_budget(text)
+    except SimulationError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("machine and model")
+    m.add_argument("--hardware", default="gh200",
+                   help=f"hardware profile: {', '.join(available('hardware'))} or a .json path")
+    m.add_argument("--model", default="qwen2.5-32b",
+                   help=f"model profile: {', '.join(available('models'))} or a .json path")
+    m.add_argument("--block-size", type=int, default=16)
+    m.add_argument("--max-batched-tokens", type=int, default=512,
+                   help="chunked-prefill token budget per iteration")
+    m.add_argument("--max-num-seqs", type=int, default=256)
+    m.add_argument("--device-blocks", type=int, default=None,
+                   help="override the device KV pool (default: from the profiles)")
+    m.add_argument("--host-blocks", type=int, default=None,
+                   help="override the host KV pool (default: from the profiles)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--dataset", default="sharegpt",
+                   help=f"synthetic ({', '.join(SYNTHETIC)}) or a ShareGPT JSON file")
+    w.add_argument("--tokenizer", default=None,
+                   help="count a dataset file's lengths with this tokenizer ('bundled', a .gguf "
+                        "or a HF dir); default: characters / 4")
+    w.add_argument("--rps", type=_rates, default=[5.0, 10.0, 15.0],
+                   help="request rates to sweep, comma separated")
+    w.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals")
+    w.add_argument("--num-prompts", type=int, default=None,
+                   help="exactly this many requests (instead of --duration)")
+    w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--max-prompt-len", type=int, default=1024)
+    w.add_argument("--max-output-len", type=int, default=1024)
+    w.add_argument("--length-scale", type=float, default=1.0,
+                   help="multiply sampled lengths before clipping")
+    s = p.add_argument_group("scheduling (RotaSched)")
+    s.add_argument("--policies", default="lvf,swapped-first,waiting-first,fcfs",
+                   help="comma-separated policies, each optionally name:key=value:...")
+    s.add_argument("--alpha", type=float, default=3.0)
+    s.add_argument("--beta-b", type=float, default=0.0)
+    s.add_argument("--beta-f", type=float, default=0.5)
+    s.add_argument("--xfer-budget-blocks", type=_budget, default=AUTO,
+                   help="B_xfer: a count, 'none' (unlimited) or 'auto' (the link's 50 ms worth)")
+    s.add_argument("--min-residency", type=int, default=DEFAULT_MIN_RESIDENCY,
+                   help="iterations a (re)admitted request is safe from proactive preemption")
+    s.add_argument("--vlt-margin", type=float, default=DEFAULT_VLT_MARGIN)
+    s.add_argument("--eager-budget-blocks", type=_budget, default=AUTO,
+                   help="eager D2H copies per iteration: a count, 0 (off) or 'auto'")
+    s.add_argument("--ttft-slo", type=float, default=5.0, help="S_B, seconds")
+    s.add_argument("--tbt-slo", type=float, default=0.1, help="S_F, seconds")
+    t = p.add_argument_group("transfers (DuplexKV)")
+    t.add_argument("--layout", choices=list(LAYOUTS), default="block-first")
+    t.add_argument("--duplex", action=argparse.BooleanOptionalAction, default=True,
+                   help="both copy directions at once (default) or one at a time")
+    t.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=False,
+                   help="hide transfers behind execution (cross-iteration pipeline)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", default=None, metavar="PATH", help="write config and results")
+    o.add_argument("--plot", default=None, metavar="PATH.png",
+                   help="TTFT and TBT attainment vs RPS, per policy")
+    o.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes)")
+    o.add_argument("--max-sim-s", type=float, default=None,
+                   help="stop each run's clock here (default: 10x the trace + 600 s)")
+
+
+def _die(msg: str) -> int:
+    print(f"superinfer sim: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def build_config(args: argparse.Namespace) -> SimConfig:
+    if args.eager_budget_blocks is None:
+        raise SimulationError("--eager-budget-blocks takes a count, 0 or auto")
+    return SimConfig(
+        block_size=args.block_size,
+        max_batched_tokens=args.max_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        alpha=args.alpha,
+        beta_b=args.beta_b,
+        beta_f=args.beta_f,
+        xfer_budget_blocks=args.xfer_budget_blocks,
+        min_residency=args.min_residency,
+        vlt_margin=args.vlt_margin,
+        eager_budget_blocks=args.eager_budget_blocks,
+        layout=args.layout,
+        duplex=args.duplex,
+        pipeline=args.pipeline,
+        ttft_slo=args.ttft_slo,
+        tbt_slo=args.tbt_slo,
+        device_blocks=args.device_blocks,
+        host_blocks=args.host_blocks,
+        max_sim_s=args.max_sim_s,
+    )
+
+
+def workload_spec(args: argparse.Namespace, rps: float) -> WorkloadSpec:
+    return WorkloadSpec(
+        dataset=args.dataset,
+        rps=rps,
+        duration_s=None if args.num_prompts is not None else args.duration,
+        num_prompts=args.num_prompts,
+        burstiness=args.burstiness,
+        seed=args.seed,
+        max_prompt_len=args.max_prompt_len,
+        max_output_len=args.max_output_len,
+        length_scale=args.length_scale,
+    )
+
+
+def _tokenizer(name: str | None) -> Any:
+    if name is None:
+        return None
+    from superinfer.modelfile import resolve_model
+    from superinfer.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_source(resolve_model(None if name == "bundled" else name))
+    return lambda text: tok.encode(text, add_special_tokens=False)
+
+
+# A task runs in a worker process: everything it needs is picklable.
+_Task = tuple[HardwareProfile, ModelProfile, PolicyVariant, SimConfig, WorkloadSpec, str | None]
+
+
+def _run_task(task: _Task) -> tuple[float, SimResult]:
+    hw, model, variant, cfg, spec, tokenizer = task
+    trace = build_trace(spec, _tokenizer(tokenizer))
+    result = simulate(hw, model, variant, cfg, trace, spec.trace_duration_s)
+    result.records = []  # not needed by the caller; keeps the pipe small
+    return spec.rps, result
+
+
+def result_row(rps: float, r: SimResult) -> dict[str, Any]:
+    m = r.metrics.as_dict()
+    row: dict[str, Any] = {"policy": r.label, "base_policy": r.policy, "rps": rps}
+    row.update({k: m[k] for k in RESULT_KEYS})
+    for k in ("tbt_attainment_rotated", "tpot_attainment", "p99_tpot_s", "mean_ttft_s"):
+        row[k] = m[k]
+    row["requests"] = m["requests"]
+    row["completed"] = m["completed"]
+    row["stats"] = r.stats
+    return row
+
+
+def _fmt(v: Any, spec: str) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return format(v, spec)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    width = max([len(r["policy"]) for r in rows] + [6])
+    head = (f"{'policy':<{width}}  {'TTFT%':>6} {'TBT%':>6} {'p50TTFT':>8} {'p99TTFT':>8} "
+            f"{'p50TBT':>7} {'p99TBT':>7} {'goodput':>7} {'tok/s':>7} {'rotations':>9}")
+    lines = [head]
+    for r in rows:
+        pct = lambda v: _fmt(None if v is None else 100 * v, ".1f")  # noqa: E731
+        lines.append(
+            f"{r['policy']:<{width}}  {pct(r['ttft_attainment']):>6} {pct(r['tbt_attainment']):>6} "
+            f"{_fmt(r['p50_ttft_s'], '.2f'):>8} {_fmt(r['p99_ttft_s'], '.2f'):>8} "
+            f"{_fmt(r['p50_tbt_s'], '.3f'):>7} {_fmt(r['p99_tbt_s'], '.3f'):>7} "
+            f"{_fmt(r['goodput_rps'], '.2f'):>7} {_fmt(r['throughput_tok_s'], '.0f'):>7} "
+            f"{r['rotations']:>9}"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
+    labels = list(dict.fromkeys(r["policy"] for r in rows))
+    # Policies often coincide (no memory pressure: no rotation): vary the line style and
+    # marker size so that overlapping curves stay visible.
+    styles = ["-", "--", "-.", ":"]
+    for ax, key, name in ((axes[0], "ttft_attainment", "TTFT SLO attainment"),
+                          (axes[1], "tbt_attainment", "TBT SLO attainment")):
+        for j, label in enumerate(labels):
+            pts = sorted((r["rps"], r[key]) for r in rows if r["policy"] == label)
+            xs = [x for x, y in pts if y is not None]
+            ys = [100 * y for x, y in pts if y is not None]
+            ax.plot(xs, ys, marker="os^Dv<>p"[j % 8], markersize=max(3, 8 - j),
+                    linestyle=styles[j % len(styles)], label=label)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(f"{name} (%)")
+        ax.set_ylim(-2, 102)
+        ax.grid(alpha=0.3)
+        ax.set_title(name)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    try:
+        hw = load_hardware(args.hardware)
+        model = load_model(args.model)
+        cfg = build_config(args)
+        variants = [PolicyVariant.parse(s) for s in args.policies.split(",") if s.strip()]
+        if not variants:
+            return _die("give at least one policy")
+        if len({v.label for v in variants}) != len(variants):
+            return _die("two policy entries have the same label; add :label=NAME")
+        for v in variants:
+            v.apply(cfg)  # validates overrides early
+        specs = [workload_spec(args, rps) for rps in args.rps]
+        traces = {spec.rps: build_trace(spec, _tokenizer(args.tokenizer)) for spec in specs}
+    except (ProfileError, WorkloadError, SimulationError) as e:
+        return _die(str(e))
+    if args.jobs < 1:
+        return _die("--jobs must be at least 1")
+    tasks: list[_Task] = [
+        (hw, model, v, cfg, spec, args.tokenizer) for spec in specs for v in variants
+    ]
+    try:
+        if args.jobs == 1 or len(tasks) == 1:
+            done = [_run_task(t) for t in tasks]
+        else:
+            import multiprocessing as mp
+
+            ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+            with ctx.Pool(min(args.jobs, len(tasks))) as pool:
+                done = pool.map(_run_task, tasks, chunksize=1)
+    except (WorkloadError, SimulationError) as e:
+        return _die(str(e))
+    rows = [result_row(rps, r) for rps, r in done]
+    wall = time.perf_counter() - t0
+
+    first = done[0][1].stats
+    print(f"{hw.name} + {model.name}: {first['device_blocks']} device / {first['host_blocks']} "
+          f"host KV blocks of {float(first['block_bytes'] or 0) / 2**20:.2f} MiB; "
+          f"B_xfer {first['xfer_budget_blocks']}, eager {first['eager_budget_blocks']} "
+          f"blocks/iteration (first policy)")
+    for spec in specs:
+        st = trace_stats(traces[spec.rps])
+        print(f"\nRPS {spec.rps:g}: {st['requests']} requests ({args.dataset}, prompt mean "
+              f"{st.get('prompt_mean', 0):.0f}, output mean {st.get('output_mean', 0):.0f}); "
+              f"SLOs TTFT {cfg.ttft_slo:g} s, TBT {cfg.tbt_slo * 1000:g} ms")
+        print(format_table([r for r in rows if r["rps"] == spec.rps]))
+    print(f"\n{len(tasks)} runs in {wall:.1f} s")
+
+    config = {
+        "hardware": hw.name,
+        "model": model.name,
+        "dataset": args.dataset,
+        "rps": args.rps,
+        "duration_s": None if args.num_prompts is not None else args.duration,
+        "num_prompts": args.num_prompts,
+        "burstiness": args.burstiness,
+        "seed": args.seed,
+        "max_prompt_len": args.max_prompt_len,
+        "max_output_len": args.max_output_len,
+        "length_scale": args.length_scale,
+        "policies": [v.label for v in variants],
+        "sim": asdict(cfg),
+        "wall_s": wall,
+    }
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"config": config, "results": rows}, indent=1))
+    if args.plot:
+        plot(rows, args.plot, f"{hw.name} + {model.name}, {args.dataset}, "
+             f"SLO TTFT {cfg.ttft_slo:g} s / TBT {cfg.tbt_slo * 1000:g} ms")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from superinfer.sim.calibrate import calibrate
+
+    out = Path(args.out) if args.out else None
+    path = calibrate(out, quick=args.quick)
+    print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="superinfer")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

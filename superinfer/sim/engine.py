@@ -1,0 +1,402 @@
+"""The simulator: the real `Scheduler`, block manager and policy on a simulated clock.
+
+Each iteration is the service's loop with cost models in place of the worker and kvmem:
+
+    schedule()                        the real scheduler, at the simulated time
+    transfer: swap-out + swap-in      critical path (duplex: both at once; else one by one)
+    execute: the batch                ExecutionCostModel (roofline)
+    eager copies                      background on the D2H stream, overlapping execution:
+                                      they cost time only for the part longer than execution
+    clock += overhead + transfer + execute (+ eager overrun);  complete_transfer(fence)
+    update_from_output()              one synthetic token per sampled chunk
+
+With `pipeline=True` the transfer hides behind execution (DESIGN 5's cross-iteration
+pipeline): the iteration takes max(transfer, execute) instead of their sum.
+
+Requests join when the clock passes their arrival; an idle engine jumps to the next
+arrival. Requests run with ignore_eos and max_tokens = the trace's output length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler_svc.interfaces import ExecuteResult, SchedulerOutput
+from scheduler_svc.policy import POLICY_NAMES, RotationLimits, VLTParams, make_policy
+from scheduler_svc.request import SLO, Request, SamplingParams
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from superinfer.errors import SuperInferError
+from superinfer.sim.cost import LAYOUTS, ExecutionCostModel, TransferCostModel
+from superinfer.sim.profile import HardwareProfile, ModelProfile
+from superinfer.slo_metrics import RequestRecord, SLOMetrics, compute_metrics
+from superinfer.workload import TraceRequest
+
+AUTO = -1  # xfer/eager budgets: size to the link (see Simulator)
+# B_xfer "auto": blocks one direction of the link moves in this time. With GH200 and
+# Qwen2.5-32B (4 MiB blocks at 175 GB/s) it gives ~2090, near the paper's default of 2400.
+XFER_REFERENCE_S = 0.05
+DEFAULT_MIN_RESIDENCY = 32  # chosen by measurement: docs/sim/README.md
+DEFAULT_VLT_MARGIN = 0.0
+
+
+class SimulationError(SuperInferError):
+    code = "simulation_error"
+    http_status = 400
+
+
+@dataclass(slots=True)
+class SimConfig:
+    block_size: int = 16
+    max_batched_tokens: int = 512  # vLLM 0.6's chunked-prefill token budget
+    max_num_seqs: int = 256  # vLLM's default
+    alpha: float = 3.0
+    beta_b: float = 0.0
+    beta_f: float = 0.5
+    xfer_budget_blocks: int | None = AUTO  # B_xfer; None: unlimited
+    min_residency: int = DEFAULT_MIN_RESIDENCY
+    vlt_margin: float = DEFAULT_VLT_MARGIN
+    eager_budget_blocks: int = AUTO  # 0: no eager copies
+    layout: str = "block-first"
+    duplex: bool = True
+    pipeline: bool = False
+    ttft_slo: float = 5.0
+    tbt_slo: float = 0.1
+    device_blocks: int | None = None  # None: from the profile's memory
+    host_blocks: int | None = None
+    max_sim_s: float | None = None  # stop the clock here (None: 10x the trace + 600 s)
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise SimulationError(f"--layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if self.block_size < 1:
+            raise SimulationError(f"--block-size must be positive, got {self.block_size}")
+        if self.max_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise SimulationError("--max-batched-tokens and --max-num-seqs must be positive")
+        if self.xfer_budget_blocks is not None and self.xfer_budget_blocks < AUTO:
+            raise SimulationError(f"--xfer-budget-blocks must be >= 0, got {self.xfer_budget_blocks}")
+        if self.eager_budget_blocks < AUTO:
+            raise SimulationError(f"--eager-budget-blocks must be >= 0, got {self.eager_budget_blocks}")
+        if self.min_residency < 0:
+            raise SimulationError(f"--min-residency must be >= 0, got {self.min_residency}")
+        try:
+            VLTParams(self.alpha, self.beta_b, self.beta_f)
+            SLO(self.ttft_slo, self.tbt_slo)
+        except ValueError as e:
+            raise SimulationError(str(e)) from None
+
+
+# -- policy variants -----------------------------------------------------------------------
+_VARIANT_KEYS = {
+    "alpha": ("alpha", float),
+    "beta_b": ("beta_b", float),
+    "beta-b": ("beta_b", float),
+    "beta_f": ("beta_f", float),
+    "beta-f": ("beta_f", float),
+    "xfer": ("xfer_budget_blocks", "budget"),
+    "min_res": ("min_residency", int),
+    "min-residency": ("min_residency", int),
+    "margin": ("vlt_margin", float),
+    "vlt-margin": ("vlt_margin", float),
+    "eager": ("eager_budget_blocks", "budget"),
+    "layout": ("layout", str),
+    "duplex": ("duplex", "bool"),
+    "pipeline": ("pipeline", "bool"),
+}
+
+
+def parse_budget(text: str) -> int | None:
+    """'auto' -> AUTO, 'none'/'inf' -> None (unlimited), else a block count."""
+    t = text.strip().lower()
+    if t == "auto":
+        return AUTO
+    if t in ("none", "inf", "unlimited"):
+        return None
+    try:
+        v = int(t)
+    except ValueError:
+        raise SimulationError(f"a block budget is auto, none or a count, got {text!r}") from None
+    if v < 0:
+        raise SimulationError(f"a block budget must be >= 0, got {v}")
+    return v
+
+
+def _parse_bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "on", "true", "yes"):
+        return True
+    if t in ("0", "off", "false", "no"):
+        return False
+    raise SimulationError(f"expected on/off, got {text!r}")
+
+
+@dataclass(slots=True, frozen=True)
+class PolicyVariant:
+    """A policy plus per-variant overrides of SimConfig: `lvf:xfer=300:layout=layer-first`."""
+
+    policy: str
+    label: str
+    overrides: tuple[tuple[str, object], ...] = ()
+
+    @classmethod
+    def parse(cls, spec: str) -> PolicyVariant:
+        parts = [p for p in spec.strip().split(":") if p]
+        if not parts:
+            raise SimulationError("empty policy name")
+        name = parts[0]
+        if name not in POLICY_NAMES:
+            raise SimulationError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+        label = spec.strip()
+        overrides: list[tuple[str, object]] = []
+        for p in parts[1:]:
+            key, sep, value = p.partition("=")
+            if not sep:
+                raise SimulationError(f"policy option {p!r} in {spec!r} is not key=value")
+            if key == "label":
+                label = value
+                continue
+            if key not in _VARIANT_KEYS:
+                raise SimulationError(
+                    f"unknown policy option {key!r} in {spec!r}; known: label, "
+                    + ", ".join(sorted(_VARIANT_KEYS))
+                )
+            attr, kind = _VARIANT_KEYS[key]
+            conv: object
+            try:
+                if kind == "budget":
+                    conv = parse_budget(value)
+                elif kind == "bool":
+                    conv = _parse_bool(value)
+                else:
+                    conv = kind(value)  # type: ignore[operator]
+            except ValueError:
+                raise SimulationError(f"bad value {value!r} for {key} in {spec!r}") from None
+            overrides.append((attr, conv))
+        return cls(name, label, tuple(overrides))
+
+    def apply(self, cfg: SimConfig) -> SimConfig:
+        changes: dict[str, Any] = dict(self.overrides)
+        return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+# -- one run ------------------------------------------------------------------------------
+@dataclass(slots=True)
+class SimResult:
+    policy: str
+    label: str
+    metrics: SLOMetrics
+    stats: dict[str, float | int | None] = field(default_factory=dict)
+    records: list[RequestRecord] = field(default_factory=list)
+
+
+class Simulator:
+    def __init__(
+        self, hw: HardwareProfile, model: ModelProfile, policy: str, cfg: SimConfig,
+        label: str | None = None,
+    ) -> None:
+        if policy not in POLICY_NAMES:
+            raise SimulationError(f"unknown policy {policy!r}; choose one of {', '.join(POLICY_NAMES)}")
+        self.hw, self.model, self.policy_name, self.cfg = hw, model, policy, cfg
+        self.label = label or policy
+        self.scheduler: Scheduler | None = None  # the last run's, for inspection
+        self.block_bytes = model.block_bytes(cfg.block_size)
+        budget = hw.device_kv_budget(model.weight_bytes)
+        if cfg.device_blocks is not None:
+            self.device_blocks = cfg.device_blocks
+        else:
+            self.device_blocks = int(budget // self.block_bytes)
+        if self.device_blocks < 1:
+            raise SimulationError(
+                f"{model.name} ({model.weight_bytes / 1e9:.1f} GB of weights) leaves no room for "
+                f"a KV block on {hw.name}"
+            )
+        self.host_blocks = (
+            cfg.host_blocks if cfg.host_blocks is not None
+            else int(hw.host_kv_bytes // self.block_bytes)
+        )
+        self.exec_model = ExecutionCostModel(hw, model)
+        self.xfer_model = TransferCostModel(hw, model, cfg.block_size, cfg.layout, cfg.duplex)
+        block_bw = hw.link.d2h(self.block_bytes)
+        if cfg.xfer_budget_blocks == AUTO:
+            self.xfer_budget: int | None = max(
+                1, int(block_bw * XFER_REFERENCE_S / self.block_bytes)
+            )
+        else:
+            self.xfer_budget = cfg.xfer_budget_blocks
+        if cfg.eager_budget_blocks == AUTO:
+            # What D2H can copy during the shortest iteration (one decode token): in steady
+            # state eager copies then never lengthen an iteration.
+            shortest = self.exec_model.weight_bytes_read(1) / self.exec_model.bytes_per_s
+            self.eager_budget = int(block_bw * shortest / self.block_bytes)
+        else:
+            self.eager_budget = cfg.eager_budget_blocks
+
+    def scheduler_config(self) -> SchedulerConfig:
+        c = self.cfg
+        return SchedulerConfig(
+            num_device_blocks=self.device_blocks,
+            num_host_blocks=self.host_blocks,
+            block_size=c.block_size,
+            max_batched_tokens=c.max_batched_tokens,
+            max_num_seqs=c.max_num_seqs,
+            max_model_len=self.model.max_model_len,
+            eager_budget_blocks=self.eager_budget,
+        )
+
+    def make_scheduler(self, clock: _Clock) -> Scheduler:
+        c = self.cfg
+        policy = make_policy(
+            self.policy_name,
+            VLTParams(c.alpha, c.beta_b, c.beta_f),
+            RotationLimits(self.xfer_budget, c.min_residency, c.vlt_margin),
+        )
+        return Scheduler(self.scheduler_config(), policy, clock=clock)
+
+    def run(
+        self,
+        trace: list[TraceRequest],
+        duration_s: float | None = None,
+        observer: Callable[[Scheduler, SchedulerOutput, float], None] | None = None,
+    ) -> SimResult:
+        """Serve `trace`; `observer(scheduler, output, iteration_s)` sees every iteration."""
+        wall0 = time.perf_counter()
+        cfg = self.cfg
+        clock = _Clock()
+        sched = self.scheduler = self.make_scheduler(clock)
+        slo = SLO(cfg.ttft_slo, cfg.tbt_slo)
+        exec_model, xfer_model = self.exec_model, self.xfer_model
+        max_len = self.model.max_model_len
+        pending = sorted(trace, key=lambda r: (r.arrival_s, r.index))
+        last_arrival = pending[-1].arrival_s if pending else 0.0
+        max_sim_s = cfg.max_sim_s if cfg.max_sim_s is not None else 10 * last_arrival + 600.0
+
+        records: list[RequestRecord] = []
+        clipped = rejected = 0
+        exec_total = xfer_total = eager_over = 0.0
+        max_running = 0
+        batch_tokens = 0
+        idle_iterations = 0
+        i = 0
+        while True:
+            while i < len(pending) and pending[i].arrival_s <= clock.t:
+                tr = pending[i]
+                i += 1
+                plen = min(tr.prompt_len, max_len - 1)
+                olen = max(1, min(tr.output_len, max_len - plen))
+                clipped += plen != tr.prompt_len or olen != tr.output_len
+                req = Request(
+                    f"r{tr.index}", [0] * plen,
+                    SamplingParams(max_tokens=olen, temperature=0.0, ignore_eos=True),
+                    arrival_time=tr.arrival_s, slo=slo,
+                )
+                try:
+                    sched.add_request(req)
+                except ValueError:
+                    rejected += 1  # bigger than the whole device pool: a miss, never served
+                    records.append(RequestRecord.from_request(req))
+            if not sched.has_unfinished():
+                if i >= len(pending):
+                    break
+                clock.t = pending[i].arrival_s
+                continue
+            if clock.t > max_sim_s:
+                break
+
+            out = sched.schedule()
+            ex = exec_model.iteration_s(out.chunks)
+            xt = xfer_model.plan_time(out.transfers)
+            if not out.chunks and out.transfers is None:
+                # Nothing runnable and nothing moving: only an arrival can change that.
+                idle_iterations += 1
+                if i < len(pending):
+                    clock.t = max(clock.t, pending[i].arrival_s)
+                    continue
+                raise SimulationError(
+                    f"{self.label}: the scheduler made no progress at t={clock.t:.3f}s with "
+                    f"{len(sched.waiting)} waiting, {len(sched.running)} running, "
+                    f"{len(sched.rotary)} rotary requests and no arrival left"
+                )
+            step = max(ex, xt.critical_s) if cfg.pipeline else ex + xt.critical_s
+            over = max(0.0, xt.eager_s - ex)
+            if observer is not None:
+                observer(sched, out, step + over)
+            clock.t += step + over
+            exec_total += ex
+            xfer_total += xt.critical_s
+            eager_over += over
+            batch_tokens += out.num_tokens
+            max_running = max(max_running, len(sched.running))
+            if out.transfers is not None:
+                sched.complete_transfer(out.transfers.fence)
+            sampled = {c.request_id: 0 for c in out.chunks if c.sample}
+            sched.update_from_output(out, ExecuteResult(sampled=sampled))
+            if sched.finished_log:
+                records.extend(RequestRecord.from_request(r) for r in sched.collect_finished())
+
+        unfinished = list(sched.requests.values())
+        records.extend(RequestRecord.from_request(r) for r in unfinished)
+        for tr in pending[i:]:  # the clock stopped (max_sim_s) before they arrived
+            records.append(RequestRecord(f"r{tr.index}", tr.arrival_s, [], slo.ttft_s,
+                                         slo.tbt_s, tr.prompt_len, finished=False))
+        records.sort(key=lambda r: r.arrival_s)
+        metrics = compute_metrics(records, duration_s)
+        s = sched.stats
+        stats: dict[str, float | int | None] = {
+            "requests": len(trace),
+            "unfinished": len(unfinished) + len(pending) - i,
+            "rejected": rejected,
+            "clipped": clipped,
+            "device_blocks": self.device_blocks,
+            "host_blocks": self.host_blocks,
+            "block_bytes": self.block_bytes,
+            "xfer_budget_blocks": self.xfer_budget,
+            "eager_budget_blocks": self.eager_budget,
+            "iterations": s.iterations,
+            "idle_iterations": idle_iterations,
+            "sim_time_s": clock.t,
+            "execute_s": exec_total,
+            "transfer_s": xfer_total,
+            "eager_overrun_s": eager_over,
+            "mean_iteration_s": (exec_total + xfer_total) / max(1, s.iterations),
+            "mean_batch_tokens": batch_tokens / max(1, s.iterations),
+            "max_running": max_running,
+            "rotations": s.rotations,
+            "swap_in_blocks": s.swap_in_blocks,
+            "swap_out_blocks": s.swap_out_blocks,
+            "eager_blocks": s.eager_blocks,
+            "freed_without_copy": s.freed_without_copy,
+            "recomputes": s.recomputes,
+            "preemptions": s.preemptions,
+            "decision_s_total": s.decision_s_total,
+            "decision_s_max": s.decision_s_max,
+            "wall_s": time.perf_counter() - wall0,
+        }
+        return SimResult(self.policy_name, self.label, metrics, stats, records)
+
+
+class _Clock:
+    """The simulated time, injected into the scheduler as its clock."""
+
+    __slots__ = ("t",)
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def simulate(
+    hw: HardwareProfile,
+    model: ModelProfile,
+    variant: PolicyVariant,
+    cfg: SimConfig,
+    trace: list[TraceRequest],
+    duration_s: float | None = None,
+) -> SimResult:
+    sim = Simulator(hw, model, variant.policy, variant.apply(cfg), label=variant.label)
+    return sim.run(trace, duration_s)
+
