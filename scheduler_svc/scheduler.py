@@ -250,6 +250,8 @@ class Scheduler:
     def _admit(self, order: list[Request], plan: _Plan, fcfs_mode: bool) -> None:
         """Bring waiting and rotary requests in, most deserving first (LVF steps 2–3)."""
         bm, policy, limits = self.bm, self.policy, self.policy.limits
+        if plan.budget <= 0 or not (self.waiting or self.rotary):
+            return  # nothing to admit, or no token left to give: skip ordering everyone
         if fcfs_mode:
             queue = arrival_order(self.rotary.list() + self.waiting.list())
         else:
@@ -286,7 +288,7 @@ class Scheduler:
                 else self._pick_victims(q, need, rotary, cost, victims, plan, need_seat)
             )
             if chosen is None:
-                if policy.skip_unservable:
+                if policy.skip_unservable and not self._nothing_servable(q, victims, plan):
                     continue  # serve who can be served; q's lag keeps growing meanwhile
                 break  # strict order: stop at the first request that cannot be served
             for v in chosen:
@@ -309,6 +311,15 @@ class Scheduler:
             self.running.append(q)
             plan.tokens[q.request_id] = n
             plan.budget -= n
+
+    def _nothing_servable(self, q: Request, victims: list[Request], plan: _Plan) -> bool:
+        """True when no candidate after `q` can be served either: no free block at all, and
+        the first eligible victim may not be preempted for `q` — nor, lagging less, for
+        anyone after it. Saves walking thousands of waiting requests in vain."""
+        if self.bm.num_free_for_compute > 0:
+            return False
+        v = next((v for v in victims if v.state is RequestState.RUNNING), None)
+        return v is None or not self.policy.may_preempt(v, q, plan.now)
 
     def _room(self, for_swap_in: bool) -> int:
         # A swap-in's H2D copy may not target blocks that a D2H copy of this very iteration
