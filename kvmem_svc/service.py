@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import time
 
 import grpc
 import structlog
-import torch
 
-from kvmem_svc.copy import copy_blocks
-from kvmem_svc.pool import DeviceMapping, HostPool
+from kvmem_svc.duplex import DuplexEngine, Mode, TransferConflict, TransferError
+from kvmem_svc.hostmem import HostMemory, allocate_host_pool
+from kvmem_svc.pool import DeviceMapping
 from proto import kvmem_pb2, kvmem_pb2_grpc, worker_pb2
+from scheduler_svc.block_manager import TransferPlan
 from superinfer.config import EngineConfig
 from superinfer.daemon import Daemon, run_daemon
 
@@ -27,10 +27,14 @@ log = structlog.get_logger()
 
 
 class KVMemService(kvmem_pb2_grpc.KVMemServicer):
-    def __init__(self, host_blocks: int | None, host_memory_gib: float) -> None:
+    def __init__(self, host_blocks: int | None, host_memory_gib: float,
+                 transfer_mode: str = "duplex", numa_node: str | int = "auto") -> None:
         self._sizing = EngineConfig(host_blocks=host_blocks, host_memory_gib=host_memory_gib)
+        self._mode = Mode(transfer_mode)
+        self._numa = numa_node
         self.device: DeviceMapping | None = None
-        self.host: HostPool | None = None
+        self.host: HostMemory | None = None
+        self.engine: DuplexEngine | None = None
         self._lock = asyncio.Lock()  # one batch at a time: batches are ordered by fences
         self.transfers = 0
         self.blocks_d2h = 0
@@ -69,40 +73,31 @@ class KVMemService(kvmem_pb2_grpc.KVMemServicer):
                 f"transfer for pool {request.pool_id!r} but the attached pool is {attached!r}",
             )
         n_dev, n_host = dev.num_blocks, host.num_blocks
-        d2h = (_pairs(request.swap_out, n_dev, n_host, "swap_out")
-               + _pairs(request.eager, n_dev, n_host, "eager"))
-        h2d = _pairs(request.swap_in, n_host, n_dev, "swap_in")
-        if {h for _, h in d2h} & {h for h, _ in h2d}:
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                          "a host block is both written (D2H) and read (H2D) by one batch")
-        t0 = time.perf_counter()
-        if {d for d, _ in d2h} & {d for _, d in h2d}:
-            # A device block this batch copies out is also a swap-in target (the block
-            # manager may reuse a block freed by this iteration's rotate-out): the D2H copy
-            # must read it before the H2D copy overwrites it, so no duplex for this batch.
-            self.ordered_batches += 1
-            log.warning("ordered_transfer", fence=request.fence,
-                        reason="device block both D2H source and H2D target")
-            d2h_s = await asyncio.to_thread(_timed_copy, dev.tensor, host.tensor, d2h)
-            h2d_s = await asyncio.to_thread(_timed_copy, host.tensor, dev.tensor, h2d)
-        else:
-            d2h_s, h2d_s = await asyncio.gather(
-                asyncio.to_thread(_timed_copy, dev.tensor, host.tensor, d2h),
-                asyncio.to_thread(_timed_copy, host.tensor, dev.tensor, h2d),
-            )
-        total = time.perf_counter() - t0
-        self.transfers += 1
-        self.blocks_d2h += len(d2h)
-        self.blocks_h2d += len(h2d)
-        self.busy_s += total
-        log.debug("transfer", fence=request.fence, d2h=len(d2h), h2d=len(h2d), total_s=total)
-        return kvmem_pb2.TransferReply(
+        plan = TransferPlan(
             fence=request.fence,
-            d2h_s=d2h_s,
-            h2d_s=h2d_s,
-            total_s=total,
-            bytes_d2h=len(d2h) * dev.block_bytes,
-            bytes_h2d=len(h2d) * dev.block_bytes,
+            swap_out=_pairs(request.swap_out, n_dev, n_host, "swap_out"),
+            swap_in=_pairs(request.swap_in, n_host, n_dev, "swap_in"),
+            eager=_pairs(request.eager, n_dev, n_host, "eager"),
+        )
+        engine = self.engine  # set with self.host at attach
+        if engine is None:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, "no pool attached")
+        try:
+            t = await asyncio.to_thread(engine.transfer, plan)
+        except TransferConflict as e:  # a plan whose copies would race: a scheduler bug
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        except TransferError as e:
+            raise Refusal(grpc.StatusCode.INTERNAL, str(e)) from None
+        self.transfers += 1
+        self.blocks_d2h += t.swap_out_blocks + t.eager_blocks
+        self.blocks_h2d += t.swap_in_blocks
+        self.busy_s += t.total_s
+        self.ordered_batches += t.ordered_blocks > 0
+        log.debug("transfer", fence=request.fence, d2h=t.swap_out_blocks + t.eager_blocks,
+                  h2d=t.swap_in_blocks, total_s=t.total_s, overlap=round(t.overlap, 2))
+        return kvmem_pb2.TransferReply(
+            fence=request.fence, d2h_s=t.d2h_s, h2d_s=t.h2d_s, total_s=t.total_s,
+            bytes_d2h=t.bytes_d2h, bytes_h2d=t.bytes_h2d,
         )
 
     async def GetStats(
@@ -115,11 +110,12 @@ class KVMemService(kvmem_pb2_grpc.KVMemServicer):
             blocks_d2h=self.blocks_d2h,
             blocks_h2d=self.blocks_h2d,
             busy_s=self.busy_s,
-            mode=f"{self.device.kind}+duplex-threads" if self.device else "detached",
+            mode=f"{self.device.kind}+{self.engine.describe()}" if self.device and self.engine
+            else "detached",
         )
 
     # -- pools ---------------------------------------------------------------------------
-    def _attach(self, handle: worker_pb2.KVPoolHandle) -> HostPool:
+    def _attach(self, handle: worker_pb2.KVPoolHandle) -> HostMemory:
         """Map the worker's pool, replacing any earlier mapping.
 
         Host contents survive a re-attach when the block shape is unchanged: after a
@@ -128,27 +124,40 @@ class KVMemService(kvmem_pb2_grpc.KVMemServicer):
         model or layout, and a new host pool.
         """
         new = DeviceMapping(handle)
+        if self.engine is not None:  # it holds the old mapping's tensor
+            self.engine.close()
+            self.engine = None
         old, self.device = self.device, new
         if old is not None:
             old.close()
         bb = new.block_bytes
         if self.host is None or not self.host.fits(new.block_shape, new.dtype):
             _, n = self._sizing.blocks_for(bb)
-            self.host = None  # drop the old region before mapping a new one
-            t0 = time.perf_counter()
-            self.host = HostPool.allocate(n, new.block_shape, new.dtype)
-            log.info("host_pool", host_blocks=n, block_bytes=bb, gib=round(n * bb / 2**30, 3),
-                     alloc_s=round(time.perf_counter() - t0, 3))
+            if self.host is not None:
+                self.host.close()  # drop the old region before mapping a new one
+            self.host = allocate_host_pool(
+                new.block_shape, new.dtype, num_blocks=n, numa_node=self._numa,
+                device=handle.device_index if new.kind == "cuda_ipc" else None)
+            log.info("host_pool", host_blocks=n, block_bytes=bb, detail=self.host.description)
+        # Not strict: a swap-in that overwrites a block this batch copies out runs after
+        # that copy (counted in ordered_batches) instead of failing the batch.
+        self.engine = DuplexEngine(new.tensor, self.host.tensor, self._mode, strict=False)
+        log.info("transfer_engine", engine=self.engine.describe())
         log.info("attached", pool_id=new.pool_id, kind=new.kind, device_blocks=new.num_blocks,
                  replaced=old.pool_id if old else None)
         return self.host
 
     async def close(self) -> None:
         async with self._lock:
+            if self.engine is not None:
+                self.engine.close()
+                self.engine = None
             if self.device is not None:
                 self.device.close()
                 self.device = None
-            self.host = None
+            if self.host is not None:
+                self.host.close()
+                self.host = None
 
 
 class Refusal(Exception):
@@ -180,18 +189,12 @@ def _pairs(
     return pairs
 
 
-def _timed_copy(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> float:
-    t0 = time.perf_counter()
-    if pairs:
-        copy_blocks(src, dst, pairs)
-    return time.perf_counter() - t0
-
-
 class KVMemDaemon(Daemon):
     name = "kvmem"
 
     def __init__(self, args: argparse.Namespace) -> None:
-        self.service = KVMemService(args.host_blocks, args.host_memory_gib)
+        self.service = KVMemService(args.host_blocks, args.host_memory_gib,
+                                    args.transfer_mode, args.numa_node)
 
     def register(self, server: grpc.aio.Server) -> None:
         kvmem_pb2_grpc.add_KVMemServicer_to_server(self.service, server)

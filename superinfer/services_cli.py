@@ -64,6 +64,11 @@ def _add_worker(p: argparse.ArgumentParser) -> None:
 def _add_kvmem(p: argparse.ArgumentParser) -> None:
     add_daemon_arguments(p, PORTS["kvmem"])
     _add_engine_flags(p, KVMEM_FLAGS.__contains__)
+    p.add_argument("--transfer-mode", default="duplex",
+                   choices=["duplex", "block-first", "layer-first"],
+                   help="DuplexKV mode (layer-first is the vLLM 0.6 baseline)")
+    p.add_argument("--numa-node", default="auto",
+                   help="host pool NUMA node: auto (nearest the GPU), off, or a number")
 
 
 def _add_scheduler(p: argparse.ArgumentParser) -> None:

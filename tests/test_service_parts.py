@@ -135,7 +135,7 @@ def test_kvmem_moves_blocks_both_ways_and_refuses_stale_orders() -> None:
             assert e.value.code() is code
         stats = await stub.GetStats(kvmem_pb2.KVMemStatsRequest())
         assert (stats.transfers, stats.blocks_d2h, stats.blocks_h2d) == (3, 6, 3)
-        assert stats.pool_id == pool.pool_id and stats.mode == "shm+duplex-threads"
+        assert stats.pool_id == pool.pool_id and stats.mode == "shm+duplex: cpu, 2 threads, memmove"
 
         # A restarted worker: new pool, same block shape. Orders for the old pool are
         # refused; host copies (the KV of rotary requests) survive the re-attach.

@@ -1,0 +1,287 @@
+"""`superinfer bench transfer`: DuplexKV's modes against one raw copy, same bytes, same run.
+
+For two KV shapes — Qwen2.5-32B (64 layers, 8 KV heads, head_dim 128, bf16, block 16:
+one layer's K or V of a block is 16*8*128*2 = 32 KiB, K+V 64 KiB, a block 4 MiB) and the
+bundled SmolLM2-135M (30 layers, 3 KV heads, head_dim 64, fp32, block 16: 12 KiB, 24 KiB,
+720 KiB) — one plan moves the same random, scattered blocks with every mode: half of them
+device->host (a quarter of those as eager copies), half host->device. GB/s counts the
+bytes moved both ways over the wall time of `transfer(plan)`. `raw_gbps` is one contiguous
+memmove of the same byte count, the most this machine's memory moves per second; ratios
+are taken within each repeat, the modes in a shuffled order, because on a shared CPU the
+absolute numbers drift from second to second.
+
+Pools hold twice the blocks moved (so ids scatter) and are pre-faulted before timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvmem_svc.duplex import DuplexEngine, Mode
+from kvmem_svc.hostmem import allocate_host_pool
+from scheduler_svc.block_manager import TransferPlan
+from superinfer.bench.report import table, write_json
+
+NT_KEY = "glibc.cpu.x86_non_temporal_threshold"
+MODES = [Mode.LAYER_FIRST, Mode.BLOCK_FIRST, Mode.DUPLEX]
+VARIANTS: dict[str, tuple[Mode, str]] = {m.value: (m, "auto") for m in MODES}
+# --copy-rows: the same modes with `Tensor.copy_` per copy instead of memmove (slow: block
+# copies of a few MiB on two OpenMP threads crawl on a busy machine, see kvmem_svc/cpu_copy.py).
+COPY_VARIANTS: dict[str, tuple[Mode, str]] = {
+    "layer-first/copy_": (Mode.LAYER_FIRST, "torch"),
+    "block-first/copy_": (Mode.BLOCK_FIRST, "torch"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    name: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int = 16
+    default_blocks: int = 128
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.block_size, self.kv_heads, self.head_dim)
+
+    @property
+    def segment_bytes(self) -> int:
+        return self.block_size * self.kv_heads * self.head_dim * torch.empty(
+            0, dtype=self.dtype).element_size()
+
+    @property
+    def block_bytes(self) -> int:
+        return self.segment_bytes * 2 * self.num_layers
+
+
+# Default block counts move 384 MiB per plan for both shapes: more than glibc's default
+# non-temporal threshold (~114 MiB here), so the raw copy is the fastest kind of memmove.
+SHAPES = [
+    Shape("qwen2.5-32b", 64, 8, 128, torch.bfloat16, default_blocks=96),
+    Shape("smollm2-135m", 30, 3, 64, torch.float32, default_blocks=546),
+]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--blocks", type=int, default=None,
+                   help="blocks moved per plan (default: ~512 MiB worth per shape)")
+    p.add_argument("--repeats", type=int, default=5, help="timed passes of every mode")
+    p.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--nt-threshold", default=None, metavar="BYTES",
+                   help=f"rerun in a child process with GLIBC_TUNABLES={NT_KEY}=BYTES "
+                        "(e.g. 0x40000): block copies then use non-temporal stores, as a "
+                        "large memmove does")
+    p.add_argument("--copy-rows", action="store_true",
+                   help="also time layer-first and block-first with torch copy_ (slow)")
+    p.add_argument("--json", default=None, help="write results to this JSON file")
+
+
+def make_plan(rng: random.Random, n: int, dev_blocks: int, host_blocks: int) -> TransferPlan:
+    """n scattered blocks: n/2 host->device, the rest device->host (a quarter of them eager)."""
+    n_in = n // 2
+    n_d2h = n - n_in
+    n_eager = n_d2h // 4
+    devs = rng.sample(range(dev_blocks), n)  # distinct: no block read and written at once
+    hosts = rng.sample(range(host_blocks), n)
+    d2h = list(zip(devs[:n_d2h], hosts[:n_d2h]))
+    swap_in = list(zip(hosts[n_d2h:], devs[n_d2h:]))
+    return TransferPlan(fence=1, swap_out=d2h[n_eager:], swap_in=swap_in, eager=d2h[:n_eager])
+
+
+def _markers(pool: torch.Tensor) -> torch.Tensor:
+    """The first 4 bytes of every block, as one int32 per block (a view)."""
+    return pool.view(torch.uint8).view(pool.shape[0], -1)[:, :4].view(torch.int32)[:, 0]
+
+
+def _mark(pool: torch.Tensor, base: int) -> None:
+    """A distinct value at the start of every block, so a wrong copy is visible."""
+    _markers(pool).copy_(torch.arange(base, base + pool.shape[0], dtype=torch.int32))
+
+
+def _copied(plan: TransferPlan, dev: torch.Tensor, host: torch.Tensor) -> bool:
+    d, h = _markers(dev), _markers(host)
+    return (all(bool(h[hb] == d[db]) for db, hb in plan.swap_out + plan.eager)
+            and all(bool(d[db] == h[hb]) for hb, db in plan.swap_in))
+
+
+def measure(shape: Shape, blocks: int, repeats: int, seed: int = 0,
+            copy_rows: bool = False) -> dict[str, Any]:
+    rng = random.Random(seed)
+    variants = {**VARIANTS, **(COPY_VARIANTS if copy_rows else {})}
+    pool_blocks = 2 * blocks
+    mem = [allocate_host_pool(shape.block_shape, shape.dtype, num_blocks=pool_blocks,
+                              numa_node="off", pin=False) for _ in range(2)]
+    dev, host = mem[0].tensor, mem[1].tensor
+    try:
+        _mark(dev, 0)
+        _mark(host, 100_000)
+        plan = make_plan(rng, blocks, pool_blocks, pool_blocks)
+        nbytes = blocks * shape.block_bytes
+        engines = {v: DuplexEngine(dev, host, m, cpu_copy=c) for v, (m, c) in variants.items()}
+        for e in engines.values():  # warm-up: lane threads started, caches in a steady state
+            e.transfer(plan)
+        kinds = ["raw", "raw_torch", *variants]
+        samples: dict[str, list[float]] = {k: [] for k in kinds}
+        overlap: list[float] = []
+        flat_d, flat_h = dev.view(-1).view(torch.uint8), host.view(-1).view(torch.uint8)
+        for _ in range(repeats):
+            rng.shuffle(kinds)
+            for kind in kinds:
+                t0 = time.perf_counter()
+                if kind == "raw":
+                    ctypes.memmove(flat_h.data_ptr(), flat_d.data_ptr(), nbytes)
+                elif kind == "raw_torch":
+                    flat_h[:nbytes].copy_(flat_d[:nbytes])
+                else:
+                    timing = engines[kind].transfer(plan)
+                    if kind == Mode.DUPLEX.value:
+                        overlap.append(timing.overlap)
+                samples[kind].append(nbytes / (time.perf_counter() - t0) / 1e9)
+            _mark(host, 100_000)  # the raw copies overwrote host blocks' markers
+        for v, e in engines.items():  # every variant must have copied the right blocks
+            _mark(dev, 0)
+            _mark(host, 100_000)
+            e.transfer(plan)
+            if not _copied(plan, dev, host):
+                raise RuntimeError(f"{v} copied the wrong bytes")
+            e.close()
+    finally:
+        for m in mem:
+            m.close()
+
+    def stats(xs: list[float]) -> dict[str, float]:
+        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+    def ratio(kind: str) -> list[float]:  # per repeat, against that repeat's raw copy
+        return [x / r for x, r in zip(samples[kind], samples["raw"], strict=True)]
+
+    out: dict[str, Any] = {
+        "shape": shape.name,
+        "segment_bytes": shape.segment_bytes,
+        "block_bytes": shape.block_bytes,
+        "blocks_moved": blocks,
+        "d2h_blocks": len(plan.swap_out) + len(plan.eager),
+        "h2d_blocks": len(plan.swap_in),
+        "eager_blocks": len(plan.eager),
+        "bytes_moved": nbytes,
+        "raw_gbps": statistics.median(samples["raw"]),
+        "raw_torch_gbps": statistics.median(samples["raw_torch"]),
+        "duplex_overlap": statistics.median(overlap),
+        "samples_gbps": samples,
+        "noise": {k: stats(v) for k, v in samples.items()},
+    }
+    for v in variants:
+        key = _key(v)
+        out[f"{key}_gbps"] = statistics.median(samples[v])
+        out[f"{key}_vs_raw"] = stats(ratio(v))
+
+    def between(a: str, b: str) -> dict[str, float]:
+        return stats([x / y for x, y in zip(samples[a], samples[b], strict=True)])
+
+    out["block_first_vs_layer_first"] = between("block-first", "layer-first")
+    if copy_rows:
+        out["block_first_vs_layer_first_copy_"] = between("block-first", "layer-first/copy_")
+    out["duplex_vs_block_first"] = between("duplex", "block-first")
+    return out
+
+
+def _key(variant: str) -> str:
+    """JSON key stem: layer-first -> layer_first, layer-first/copy_ -> layer_first_torch."""
+    return variant.replace("/copy_", "_torch").replace("-", "_")
+
+
+def nt_threshold_in_effect() -> str:
+    for item in os.environ.get("GLIBC_TUNABLES", "").split(":"):
+        if item.startswith(NT_KEY + "="):
+            return item.split("=", 1)[1]
+    return "glibc default"
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.nt_threshold and nt_threshold_in_effect() == "glibc default":
+        return _rerun_with_nt(args)
+    shapes = {s.name: s for s in SHAPES}
+    unknown = [n for n in args.shapes.split(",") if n not in shapes]
+    if unknown or args.repeats < 1 or (args.blocks is not None and args.blocks < 2):
+        print(f"bad arguments: shapes {unknown or 'ok'}, repeats >= 1, blocks >= 2",
+              file=sys.stderr)
+        return 2
+    results = []
+    for name in args.shapes.split(","):
+        s = shapes[name]
+        results.append(measure(s, args.blocks or s.default_blocks, args.repeats, args.seed,
+                               args.copy_rows))
+    nt = nt_threshold_in_effect()
+    print(f"KV block transfers, GB/s both ways (median of {args.repeats}; [min-max]); "
+          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, {NT_KEY}: {nt}")
+    rows = []
+    for r in results:
+        n = r["noise"]
+        variants = [v for v in (*VARIANTS, *COPY_VARIANTS) if f"{_key(v)}_gbps" in r]
+        for kind, label in (("raw", "raw memmove"), ("raw_torch", "raw torch copy_"),
+                            *((v, v) for v in variants)):
+            if kind in variants:
+                q = r[f"{_key(kind)}_vs_raw"]
+                vs_raw = f"{q['median']:.2f} [{q['min']:.2f}-{q['max']:.2f}]"
+            else:
+                vs_raw = f"{n[kind]['median'] / r['raw_gbps']:.2f}"
+            rows.append([r["shape"], label, f"{n[kind]['median']:.2f}",
+                         f"{n[kind]['min']:.2f}-{n[kind]['max']:.2f}", vs_raw])
+    print(table(["shape", "mode", "GB/s", "range", "x raw (per repeat)"], rows))
+
+    def fmt(q: dict[str, float]) -> str:
+        return f"{q['median']:.2f}x [{q['min']:.2f}-{q['max']:.2f}]"
+
+    for r in results:
+        print(f"{r['shape']}: {r['blocks_moved']} blocks of {r['block_bytes'] / 2**10:.0f} KiB "
+              f"(segments of {r['segment_bytes'] / 2**10:.0f} KiB), "
+              f"{r['bytes_moved'] / 2**20:.0f} MiB; block-first / layer-first "
+              f"{fmt(r['block_first_vs_layer_first'])}"
+              + (f", / layer-first copy_ {fmt(r['block_first_vs_layer_first_copy_'])}"
+                 if "block_first_vs_layer_first_copy_" in r else "")
+              + f"; duplex / block-first {fmt(r['duplex_vs_block_first'])}, "
+              f"duplex overlap {r['duplex_overlap']:.2f}")
+    if nt == "glibc default":
+        print("note: block copies here use cached stores; rerun with --nt-threshold 0x40000 "
+              "to see them with the non-temporal stores a large memmove gets")
+    write_json(args.json, {
+        "cpus": os.cpu_count(), "nt_threshold": nt, "repeats": args.repeats,
+        "shapes": {r["shape"]: r for r in results},
+    })
+    return 0
+
+
+def _rerun_with_nt(args: argparse.Namespace) -> int:
+    """GLIBC_TUNABLES is read at process start: measure in a child that has it."""
+    tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t]
+    env = {**os.environ, "GLIBC_TUNABLES": ":".join([*tunables, f"{NT_KEY}={args.nt_threshold}"])}
+    argv = ["--repeats", str(args.repeats), "--shapes", args.shapes, "--seed", str(args.seed)]
+    if args.copy_rows:
+        argv.append("--copy-rows")
+    if args.blocks is not None:
+        argv += ["--blocks", str(args.blocks)]
+    if args.json:
+        argv += ["--json", args.json]
+    return subprocess.run([sys.executable, "-m", "superinfer.bench.transfer", *argv],
+                          env=env, check=False).returncode
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="superinfer bench transfer")
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))
