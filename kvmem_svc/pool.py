@@ -1,21 +1,16 @@
-"""kvmem's two pools: the worker's device pool (mapped) and its own host DRAM pool.
+"""kvmem's view of the worker's device pool, mapped from the worker's handle.
 
-The host pool is one block-first tensor with the device pool's block shape (DESIGN §2),
-so it can only be sized once the worker's handle says what a block is: it is allocated
-at the first attach, not at start. It lives in an anonymous mmap region (page-aligned,
-what `cudaHostRegister` would pin on a GPU machine) and is pre-faulted.
+The host pool (kvmem_svc/hostmem.py) has the device pool's block shape (DESIGN §2), so it
+is allocated at the first attach, once the handle says what a block is.
 """
 
 from __future__ import annotations
-
-import mmap
-from dataclasses import dataclass
 
 import torch
 
 from proto import worker_pb2
 from superinfer.engine import DTYPES
-from superinfer.shm import SharedTensor, prefault, tensor_nbytes
+from superinfer.shm import SharedTensor, tensor_nbytes
 from worker.kv_pool import decode_cuda_ipc
 
 
@@ -76,37 +71,3 @@ def _open_cuda_ipc(
     t = torch.empty(0, dtype=dtype, device=f"cuda:{handle.device_index}")
     stride = torch.empty(shape, device="meta").stride()  # contiguous, like the worker's
     return t.set_(storage, 0, shape, stride)
-
-
-@dataclass(slots=True)
-class HostPool:
-    """Host DRAM blocks, block-first; `num_blocks` may be 0 (rotation falls back to recompute)."""
-
-    tensor: torch.Tensor
-    region: mmap.mmap | None
-
-    @classmethod
-    def allocate(cls, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype) -> HostPool:
-        shape = (num_blocks, *block_shape)
-        nbytes = tensor_nbytes(shape, dtype)
-        if nbytes == 0:
-            return cls(torch.empty(shape, dtype=dtype), None)
-        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        tensor = torch.frombuffer(region, dtype=dtype, count=nbytes // _elem(dtype)).view(shape)
-        prefault(tensor, write=True)
-        return cls(tensor, region)
-
-    @property
-    def num_blocks(self) -> int:
-        return int(self.tensor.shape[0])
-
-    @property
-    def block_shape(self) -> tuple[int, ...]:
-        return tuple(self.tensor.shape[1:])
-
-    def fits(self, block_shape: tuple[int, ...], dtype: torch.dtype) -> bool:
-        return self.block_shape == block_shape and self.tensor.dtype == dtype
-
-
-def _elem(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()

@@ -23,19 +23,9 @@ from pathlib import Path
 
 import httpx
 
+from superinfer.bench.engine import PROMPTS
 from superinfer.bench.report import table, write_json
 from superinfer.supervisor import ServiceSpec, Supervisor, grpc_probe, http_probe
-
-PROMPTS = [
-    "Write a short story about a robot learning to paint.",
-    "Explain how a refrigerator works.",
-    "What are the main causes of the French Revolution?",
-    "Give me a recipe for pancakes.",
-    "Describe the water cycle in simple terms.",
-    "Why do cats purr?",
-    "List some tips for learning a new language.",
-    "What is the difference between a virus and a bacterium?",
-]
 
 
 @dataclass(slots=True)
