@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from scheduler_svc.request import Request
+from scheduler_svc.request import Request, RequestState
 
 
 class BlockAllocator:
@@ -206,15 +206,8 @@ class BlockManager:
         t.host.extend([None] * n)
 
     def try_grow(self, req: Request, num_new_tokens: int) -> bool:
-        """Check-and-act for a running request (all blocks on the device): the hot path of
-        every iteration, so one table lookup instead of the general checks."""
-        t = self.tables.get(req.request_id)
-        have = 0 if t is None else len(t.device)
-        n = (req.num_computed_tokens + num_new_tokens + self.block_size - 1) // self.block_size
-        n -= have
-        if n <= 0:
-            return True
-        if n > self.num_free_for_compute:
+        """can_allocate + allocate in one call (the per-iteration path of running requests)."""
+        if not self.can_allocate(req, num_new_tokens):
             return False
         self.allocate(req, num_new_tokens)
         return True
@@ -336,8 +329,6 @@ class BlockManager:
     # -- integrity ---------------------------------------------------------------------------
     def check_integrity(self, requests: dict[str, Request]) -> None:
         """Raise if any block is owned twice, leaked, or out of step with request state."""
-        from scheduler_svc.request import RequestState
-
         for tier, alloc, pending, col in (
             ("device", self.device, self._pending_device, "device"),
             ("host", self.host, self._pending_host, "host"),

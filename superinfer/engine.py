@@ -23,7 +23,7 @@ from superinfer.output import OutputTracker
 from superinfer.tokenizer import Tokenizer
 from worker.loader import load_weights
 from worker.model import LlamaModel
-from worker.runner import ModelRunner, kv_block_bytes
+from worker.runner import KVShape, ModelRunner, kv_block_bytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,10 +54,8 @@ class LLMEngine:
             model = LlamaModel(*load_weights(self.source.path, self.source.kind, dtype))
         mcfg = model.cfg
         dev, host = config.blocks_for(kv_block_bytes(mcfg, config.block_size, dtype))
-        kv = torch.zeros(
-            (dev, mcfg.num_layers, 2, config.block_size, mcfg.num_kv_heads, mcfg.head_dim),
-            dtype=dtype,
-        )
+        shape = KVShape(dev, mcfg.num_layers, config.block_size, mcfg.num_kv_heads, mcfg.head_dim)
+        kv = torch.zeros(shape.shape, dtype=dtype)
         self.runner = ModelRunner(model, kv, config.block_size)
         self.host_pool = torch.zeros((host, *self.runner.kv.shape[1:]), dtype=dtype)
         self.copier = LocalCopyEngine(self.runner.kv, self.host_pool)

@@ -23,10 +23,9 @@ class AttentionGroup:
 
     q_start: int
     q_end: int
-    # Decode group: one query per request. block_tables [B, max_blocks] (padded with 0),
-    # key_lens [B]. Prefill group (B = 1): one chunk, start_pos = its first position.
+    # Decode group: one query per request, block_tables [B, max_blocks] (padded with 0).
+    # Prefill group (B = 1): one chunk, start_pos = its first position.
     block_tables: torch.Tensor
-    key_lens: torch.Tensor
     start_pos: int
     is_decode: bool
     mask: torch.Tensor | None = None  # [B, 1, Lq, Lk] boolean, True = attend

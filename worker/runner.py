@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from scheduler_svc.interfaces import ExecuteResult, ScheduledChunk
-from worker.loader import ModelConfig, load_weights
+from worker.loader import ModelConfig
 from worker.model import AttentionGroup, BatchMeta, LlamaModel
 from worker.sampler import sample_tokens
 
@@ -46,25 +46,6 @@ class ModelRunner:
         self.model = model
         self.kv = kv_pool
         self.block_size = block_size
-
-    @classmethod
-    def load(
-        cls,
-        path: object,
-        kind: str,
-        num_blocks: int,
-        block_size: int = 16,
-        dtype: torch.dtype = torch.float32,
-        kv_pool: torch.Tensor | None = None,
-    ) -> ModelRunner:
-        cfg, weights = load_weights(path, kind, dtype)  # type: ignore[arg-type]
-        model = LlamaModel(cfg, weights)
-        shape = KVShape(num_blocks, cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim)
-        if kv_pool is None:
-            kv_pool = torch.zeros(shape.shape, dtype=dtype)
-        elif tuple(kv_pool.shape) != shape.shape:
-            raise ValueError(f"KV pool has shape {tuple(kv_pool.shape)}, need {shape.shape}")
-        return cls(model, kv_pool, block_size)
 
     @property
     def config(self) -> ModelConfig:
@@ -102,7 +83,7 @@ class ModelRunner:
                 tables[i, : len(c.block_table)] = torch.tensor(c.block_table)
                 lens[i] = c.start_pos + 1
             mask = torch.arange(max_blocks * bs)[None, :] < lens[:, None]
-            groups.append(AttentionGroup(0, len(decodes), tables, lens, 0, True,
+            groups.append(AttentionGroup(0, len(decodes), tables, 0, True,
                                          mask[:, None, None, :]))
             order.extend(s for s, _ in decodes)
         fresh = [(s, c) for s, c in prefills if c.start_pos == 0]
@@ -120,7 +101,7 @@ class ModelRunner:
                 qpos = torch.arange(c.start_pos, c.start_pos + n)[:, None]
                 mask = (torch.arange(nb * bs)[None, :] <= qpos)[None, None]
             groups.append(AttentionGroup(q0, q0 + n, torch.tensor([c.block_table]),
-                                         torch.tensor([c.start_pos + n]), c.start_pos, False, mask))
+                                         c.start_pos, False, mask))
             order.extend(range(s, s + n))
         perm = torch.tensor(order, dtype=torch.long)
         inv = torch.empty_like(perm)
@@ -145,7 +126,7 @@ class ModelRunner:
         # Row i attends to keys j <= i of its own prompt; padded rows still see key 0 (no
         # all-masked row, which would give NaN) and are dropped afterwards.
         mask = (ar[None, :] <= ar[:, None])[None] & (ar[None, None, :] < lens_t[:, None, None])
-        return AttentionGroup(q0, q0 + sum(lens), torch.empty(0), lens_t, 0, False,
+        return AttentionGroup(q0, q0 + sum(lens), torch.empty(0), 0, False,
                               mask[:, None], pad_index, (B, L))
 
     def execute(self, chunks: list[ScheduledChunk]) -> ExecuteResult:
