@@ -19,6 +19,7 @@ would run at the same time as the D2H copy reading it.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduler_svc.request import Request, RequestState
@@ -124,10 +125,11 @@ class BlockManager:
         return self.tables.setdefault(req.request_id, BlockTable())
 
     def device_block_ids(self, req: Request) -> list[int]:
+        """The request's device block table itself (not a copy): valid until it changes."""
         t = self.tables[req.request_id]
         if None in t.device:
             raise RuntimeError(f"request {req.request_id} is not fully on the device")
-        return t.device.copy()  # type: ignore[return-value]
+        return t.device  # type: ignore[return-value]  # no None in it: checked above
 
     def num_device_blocks_of(self, req: Request) -> int:
         t = self.tables.get(req.request_id)
@@ -207,6 +209,13 @@ class BlockManager:
 
     def try_grow(self, req: Request, num_new_tokens: int) -> bool:
         """can_allocate + allocate in one call (the per-iteration path of running requests)."""
+        t = self.tables.get(req.request_id)
+        # Fast path, most decode steps: the tokens fit in the blocks the request holds (a
+        # running request holds all of its blocks on the device).
+        if t is not None and req.num_computed_tokens + num_new_tokens <= (
+            len(t.device) * self.block_size
+        ) and None not in t.device:
+            return True
         if not self.can_allocate(req, num_new_tokens):
             return False
         self.allocate(req, num_new_tokens)
@@ -308,12 +317,12 @@ class BlockManager:
         below `host_reserve` free blocks (rotations need room more than eager copies do).
         """
         plan = self._plan()
-        n = 0
+        n, bs, tables = 0, self.block_size, self.tables
         for req in running:
-            t = self.tables.get(req.request_id)
-            if t is None:
-                continue
-            synced = min(self.num_synced(req), len(t))
+            t = tables.get(req.request_id)
+            if t is None or t.eager_next >= req.num_computed_tokens // bs:
+                continue  # nothing newly synced (most requests, most iterations)
+            synced = min(req.num_computed_tokens // bs, len(t))
             for i in range(t.eager_next, synced):
                 if n >= budget or self.host.num_free <= host_reserve:
                     return n
@@ -369,3 +378,57 @@ class BlockManager:
             for i in range(self.num_synced(req), len(t)):
                 if t.host[i] is not None and req.state is RequestState.RUNNING:
                     raise AssertionError(f"{rid}: dirty block {i} has a (stale) host copy")
+
+    # -- recovery after a peer lost memory (DESIGN §6) -------------------------------------
+    def drop_fences(self) -> None:
+        """Release every pending fence: a pool that restarted has no copy in flight."""
+        for fence in self.pending_fences:
+            self.complete(fence)
+
+    def has_device_block_in(self, req: Request, blocks: set[int]) -> bool:
+        t = self.tables.get(req.request_id)
+        return t is not None and any(d in blocks for d in t.device if d is not None)
+
+    def drop_host_copies(self, req: Request, lost: Callable[[int], bool]) -> bool:
+        """Forget the request's host copies that `lost` names; True if any was dropped.
+
+        The host blocks go back to the pool (their contents are garbage, the blocks are
+        not); eager copies restart from the first hole.
+        """
+        t = self.tables.get(req.request_id)
+        if t is None:
+            return False
+        dropped = [i for i, h in enumerate(t.host) if h is not None and lost(h)]
+        for i in dropped:
+            self.host.free([t.host[i]])  # type: ignore[list-item]
+            t.host[i] = None
+        if dropped:
+            t.eager_next = min(t.eager_next, dropped[0])
+        return bool(dropped)
+
+    def keep_host_prefix(self, req: Request) -> int:
+        """Keep only the request's leading blocks that have a host copy; return how many.
+
+        Its device blocks are released (their contents are lost or about to be), and so
+        is every host copy after the first block without one: the request resumes by
+        swapping the kept prefix in and recomputing from there (DESIGN §6).
+        """
+        t = self.tables.get(req.request_id)
+        if t is None:
+            return 0
+        limit = min(len(t), self.blocks_for(req.num_computed_tokens))
+        k = 0
+        while k < limit and t.host[k] is not None:
+            k += 1
+        self.device.free([d for d in t.device if d is not None])
+        self.host.free([h for h in t.host[k:] if h is not None])
+        del t.device[k:], t.host[k:]
+        t.device[:] = [None] * k
+        t.eager_next = min(t.eager_next, k)
+        if k == 0:
+            del self.tables[req.request_id]
+        return k
+
+    def in_iteration(self) -> bool:
+        """Between begin_iteration() and end_iteration()?"""
+        return self._open is not None

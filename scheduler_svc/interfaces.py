@@ -17,7 +17,10 @@ class ScheduledChunk:
     request_id: str
     token_ids: list[int]  # tokens whose KV this step computes
     start_pos: int  # position of token_ids[0] (= the request's num_computed_tokens)
-    block_table: list[int]  # device blocks covering positions [0, start_pos + len)
+    # Device blocks covering positions [0, start_pos + len). The block manager's own list,
+    # not a copy (copying every table every iteration was a quarter of the simulator's
+    # time): read it before the next schedule(), copy it to keep it.
+    block_table: list[int]
     sample: bool  # the chunk reaches the request's last token: sample the next one
     temperature: float = 1.0
     top_p: float = 1.0

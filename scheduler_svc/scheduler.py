@@ -8,15 +8,16 @@ at most `max_batched_tokens` tokens per iteration across all requests (chunked p
 
 from __future__ import annotations
 
+import heapq
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 
-from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.block_manager import BlockManager, TransferPlan
 from scheduler_svc.interfaces import ExecuteResult, ScheduledChunk, SchedulerOutput
 from scheduler_svc.policy import Policy
 from scheduler_svc.policy.base import arrival_order
-from scheduler_svc.queue import RequestQueue
+from scheduler_svc.queue import Entry, RequestQueue
 from scheduler_svc.request import FinishReason, Request, RequestState
 
 
@@ -38,6 +39,10 @@ class SchedulerConfig:
             raise ValueError("max_batched_tokens and max_num_seqs must be positive")
         if self.num_host_blocks < 0 or self.eager_budget_blocks < 0:
             raise ValueError("block counts must be >= 0")
+        # A request must fit the device pool on its own, or once it outgrew it no amount of
+        # preemption would let it run (it would preempt itself forever): like vLLM, the
+        # context is capped by what the pool holds.
+        self.max_model_len = min(self.max_model_len, self.num_device_blocks * self.block_size)
 
 
 @dataclass(slots=True)
@@ -93,12 +98,17 @@ class Scheduler:
         self.clock = clock
         self.bm = BlockManager(config.num_device_blocks, config.num_host_blocks, config.block_size)
         self.requests: dict[str, Request] = {}
-        self.waiting = RequestQueue()
-        self.running = RequestQueue()
-        self.rotary = RequestQueue()
+        # Each queue keeps the policy's groups sorted, so an iteration merges them lazily
+        # instead of sorting every live request (policy/base.py).
+        self.waiting = RequestQueue(lambda r: policy.order_key(r, False))
+        self.running = RequestQueue(policy.running_key)
+        self.rotary = RequestQueue(lambda r: policy.order_key(r, True))
         self.iteration = 0
         self.stats = SchedulerStats()
         self.finished_log: list[Request] = []  # finished requests not yet collected
+        # Device blocks every live request needs for its next token, kept up to date so
+        # that `everything_fits` is O(1) (check_integrity recomputes it).
+        self._blocks_needed = 0
 
     # -- requests in and out ------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -108,16 +118,16 @@ class Scheduler:
             raise ValueError("a request needs at least one prompt token")
         req.max_model_len = min(req.max_model_len, self.config.max_model_len)
         if req.num_prompt_tokens >= req.max_model_len:
+            cfg = self.config
+            pool = cfg.num_device_blocks * cfg.block_size
+            why = (f" (the device pool holds {pool} tokens: raise --device-blocks)"
+                   if req.max_model_len == pool else "")
             raise ValueError(
-                f"prompt has {req.num_prompt_tokens} tokens; the limit is {req.max_model_len - 1}"
-            )
-        need = self.bm.blocks_for(req.num_prompt_tokens + 1)
-        if need > self.config.num_device_blocks:
-            raise ValueError(
-                f"prompt needs {need} KV blocks; the device pool has only "
-                f"{self.config.num_device_blocks} (raise --device-blocks)"
+                f"prompt has {req.num_prompt_tokens} tokens; the limit is "
+                f"{req.max_model_len - 1}{why}"
             )
         self.requests[req.request_id] = req
+        self._blocks_needed += self._next_token_blocks(req)
         self.waiting.append(req)
 
     def abort(self, request_id: str) -> bool:
@@ -151,6 +161,7 @@ class Scheduler:
         for queue in (self.waiting, self.running, self.rotary):
             queue.discard(req)
         self.bm.free(req)
+        self._blocks_needed -= self._next_token_blocks(req)
         req.finish_reason = reason
         req.set_state(RequestState.FINISHED, now)
         del self.requests[req.request_id]
@@ -164,17 +175,11 @@ class Scheduler:
 
     def everything_fits(self) -> bool:
         """Would every live request, with its next token, fit in device memory at once?"""
-        bs, cap = self.config.block_size, self.config.num_device_blocks
-        if len(self.waiting) + len(self.running) + len(self.rotary) > cap:
-            return False  # every request needs at least one block
-        total = 0
-        for q in (self.running, self.rotary, self.waiting):
-            for r in q:
-                # blocks_for(num_tokens + 1), inlined: this may run over every live request.
-                total += (len(r.prompt_token_ids) + len(r.output_token_ids) + bs) // bs
-                if total > cap:
-                    return False
-        return True
+        return self._blocks_needed <= self.config.num_device_blocks
+
+    def _next_token_blocks(self, req: Request) -> int:
+        """blocks_for(num_tokens + 1): the request's KV with its next token."""
+        return (req.num_tokens + self.config.block_size) // self.config.block_size
 
     def schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
@@ -186,7 +191,7 @@ class Scheduler:
         order = (
             arrival_order(self.running.list())
             if fcfs_mode
-            else self.policy.running_order(self.running.list(), plan.now)
+            else list(_merge(self.running.groups(), self.policy.running_merge_key, plan.now))
         )
         self._schedule_running(order, plan)
         self._admit(order, plan, fcfs_mode)
@@ -200,11 +205,7 @@ class Scheduler:
             self.stats.swap_out_blocks += len(transfers.swap_out)
             self.stats.swap_in_blocks += len(transfers.swap_in)
 
-        chunks = [self._chunk(self.requests[rid], n) for rid, n in plan.tokens.items()]
-        # A decode step computes the one token sampled last iteration; anything else
-        # (prompt chunks, recompute after preemption) counts as prefill.
-        decode = sum(1 for c in chunks if c.sample and c.output_index > 0
-                     and len(c.token_ids) == 1 and c.start_pos >= self._prompt_len(c))
+        chunks, decode = self._chunks(plan)
         decision = time.perf_counter() - t0
         self.stats.iterations += 1
         self.stats.decision_s_total += decision
@@ -224,27 +225,31 @@ class Scheduler:
 
     def _schedule_running(self, order: list[Request], plan: _Plan) -> None:
         """Give running requests their tokens; preempt from the tail when blocks run out."""
-        bm = self.bm
+        bm, running, bs, tokens = self.bm, RequestState.RUNNING, self.config.block_size, plan.tokens
+        tables = bm.tables
+        # Per running request per iteration: kept lean (it dominates the decision's cost).
         for i, req in enumerate(order):
-            if req.state is not RequestState.RUNNING:
+            if req.state is not running:
                 continue  # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, plan.budget)
+            computed = req.num_computed_tokens
+            n = min(len(req.prompt_token_ids) + len(req.output_token_ids) - computed, plan.budget)
             if n <= 0:
                 if plan.budget <= 0:
                     break
                 continue
-            while not bm.try_grow(req, n):
-                victim = next(
-                    (v for v in reversed(order[i + 1 :]) if v.state is RequestState.RUNNING),
-                    None,
-                )
-                if victim is None:
-                    self._preempt(req, plan)
-                    break
-                self._preempt(victim, plan)
-            if req.state is not RequestState.RUNNING:
-                continue
-            plan.tokens[req.request_id] = n
+            t = tables.get(req.request_id)
+            if t is None or computed + n > len(t.device) * bs:  # else: fits the blocks it holds
+                while not bm.try_grow(req, n):
+                    victim = next(
+                        (v for v in reversed(order[i + 1 :]) if v.state is running), None
+                    )
+                    if victim is None:
+                        self._preempt(req, plan)
+                        break
+                    self._preempt(victim, plan)
+                if req.state is not running:
+                    continue
+            tokens[req.request_id] = n
             plan.budget -= n
 
     def _admit(self, order: list[Request], plan: _Plan, fcfs_mode: bool) -> None:
@@ -252,10 +257,11 @@ class Scheduler:
         bm, policy, limits = self.bm, self.policy, self.policy.limits
         if plan.budget <= 0 or not (self.waiting or self.rotary):
             return  # nothing to admit, or no token left to give: skip ordering everyone
+        queue: Iterable[Request]
         if fcfs_mode:
             queue = arrival_order(self.rotary.list() + self.waiting.list())
         else:
-            queue = policy.candidates(self.waiting.list(), self.rotary.list(), plan.now)
+            queue = _merge(self.waiting.groups() + self.rotary.groups(), policy.merge_key, plan.now)
         victims = [
             r
             for r in reversed(order)
@@ -263,7 +269,18 @@ class Scheduler:
             and self.iteration - r.admitted_iteration > limits.min_residency
         ]
         cap = limits.xfer_budget_blocks
+        bs = self.config.block_size
+        free_only = False
+        room_waiting = room_rotary = 0  # free blocks, while free_only
         for q in queue:
+            if free_only:
+                # Fast skip: once nobody may be preempted, walking on only looks for a
+                # candidate that fits the free blocks (often ~100 candidates deep).
+                c = q.num_computed_tokens
+                need = -(-(c + min(len(q.prompt_token_ids) + len(q.output_token_ids) - c,
+                                   plan.budget)) // bs)
+                if need > (room_rotary if q.state is RequestState.ROTARY else room_waiting):
+                    continue
             if plan.budget <= 0:
                 break
             # With every seat taken, a candidate must displace someone (LVF may; FCFS-like
@@ -282,15 +299,28 @@ class Scheduler:
             # A request larger than B_xfer may still move alone, or it would starve.
             if cap is not None and plan.xfer_used and plan.xfer_used + cost > cap:
                 break
-            chosen = (
-                []
-                if fcfs_mode
-                else self._pick_victims(q, need, rotary, cost, victims, plan, need_seat)
-            )
+            if free_only:  # nobody may be preempted any more: only free blocks serve
+                if need_seat:
+                    break
+                if need > self._room(rotary):
+                    continue
+                chosen: list[Request] | None = []
+            elif fcfs_mode:
+                chosen = []
+            else:
+                chosen = self._pick_victims(q, need, rotary, cost, victims, plan, need_seat)
             if chosen is None:
-                if policy.skip_unservable and not self._nothing_servable(q, victims, plan):
-                    continue  # serve who can be served; q's lag keeps growing meanwhile
-                break  # strict order: stop at the first request that cannot be served
+                if not policy.skip_unservable:
+                    break  # strict order: stop at the first request that cannot be served
+                # Serve who can be served; q's lag keeps growing meanwhile.
+                if self._may_preempt_for(q, victims, plan):
+                    continue
+                # Nobody may be preempted for q, nor (lagging less) for anyone after it.
+                if self._free_below_least(plan):
+                    break
+                free_only = True
+                room_waiting, room_rotary = self._room(False), self._room(True)
+                continue
             for v in chosen:
                 self._preempt(v, plan)
             n = min(q.num_tokens - q.num_computed_tokens, plan.budget)
@@ -311,15 +341,26 @@ class Scheduler:
             self.running.append(q)
             plan.tokens[q.request_id] = n
             plan.budget -= n
+            if free_only:
+                if self._free_below_least(plan):
+                    break
+                room_waiting, room_rotary = self._room(False), self._room(True)
 
-    def _nothing_servable(self, q: Request, victims: list[Request], plan: _Plan) -> bool:
-        """True when no candidate after `q` can be served either: no free block at all, and
-        the first eligible victim may not be preempted for `q` — nor, lagging less, for
-        anyone after it. Saves walking thousands of waiting requests in vain."""
-        if self.bm.num_free_for_compute > 0:
-            return False
+    def _may_preempt_for(self, q: Request, victims: list[Request], plan: _Plan) -> bool:
+        """May the first eligible victim be preempted for `q`? When not, no later victim
+        may be (they come lowest first), nor for any later candidate (lagging less)."""
         v = next((v for v in victims if v.state is RequestState.RUNNING), None)
-        return v is None or not self.policy.may_preempt(v, q, plan.now)
+        return v is not None and self.policy.may_preempt(v, q, plan.now)
+
+    def _free_below_least(self, plan: _Plan) -> bool:
+        """Are the free blocks fewer than the smallest candidate needs? Then walking the
+        rest of thousands of candidates would serve nobody."""
+        free = self.bm.num_free_for_compute
+        if free <= 0:
+            return True
+        sizes = [n for n in (self.waiting.min_tokens(), self.rotary.min_tokens()) if n]
+        # The least any candidate can need: its whole context, or a budget-sized chunk.
+        return free < self.bm.blocks_for(min([*sizes, plan.budget]))
 
     def _room(self, for_swap_in: bool) -> int:
         # A swap-in's H2D copy may not target blocks that a D2H copy of this very iteration
@@ -343,7 +384,8 @@ class Scheduler:
         """
         bm, policy = self.bm, self.policy
         cap = policy.limits.xfer_budget_blocks
-        room, moved, chosen = self._room(rotary), plan.xfer_used + cost, []
+        room, moved = self._room(rotary), plan.xfer_used + cost
+        chosen: list[Request] = []
         for v in victims:
             if need <= room and (chosen or not need_seat):
                 break
@@ -387,24 +429,30 @@ class Scheduler:
             self.waiting.append(victim)
             plan.recomputed.append(victim.request_id)
 
-    def _prompt_len(self, chunk: ScheduledChunk) -> int:
-        return self.requests[chunk.request_id].num_prompt_tokens
-
-    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
-        start = req.num_computed_tokens
-        s = req.sampling
-        return ScheduledChunk(
-            request_id=req.request_id,
-            token_ids=req.token_ids_slice(start, start + n),
-            start_pos=start,
-            block_table=self.bm.device_block_ids(req),
-            sample=start + n == req.num_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            seed=s.seed,
-            output_index=req.num_output_tokens,
-        )
+    def _chunks(self, plan: _Plan) -> tuple[list[ScheduledChunk], int]:
+        """The batch for the worker, and how many of its tokens are decode steps."""
+        chunks, decode = [], 0
+        requests, tables = self.requests, self.bm.tables
+        for rid, n in plan.tokens.items():
+            req = requests[rid]
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            prompt, output = req.prompt_token_ids, req.output_token_ids
+            p = len(prompt)
+            if start >= p:
+                ids = output[start - p : end - p]
+            else:
+                ids = prompt[start:end] if end <= p else prompt[start:] + output[: end - p]
+            sample = end == p + len(output)
+            # A decode step computes the one token sampled last iteration; anything else
+            # (prompt chunks, recompute after preemption) counts as prefill.
+            if n == 1 and sample and start >= p:
+                decode += 1
+            s = req.sampling
+            # The live table (see ScheduledChunk); a running request holds every block.
+            chunks.append(ScheduledChunk(rid, ids, start, tables[rid].device,  # type: ignore[arg-type]
+                                         sample, s.temperature, s.top_p, s.top_k, s.seed,
+                                         len(output)))
+        return chunks, decode
 
     def update_from_output(self, out: SchedulerOutput, result: ExecuteResult) -> list[RequestEvent]:
         now = self.clock()
@@ -418,6 +466,8 @@ class Scheduler:
                 continue
             tok = result.sampled[chunk.request_id]
             req.append_token(tok, now)
+            if req.num_tokens % self.config.block_size == 0:
+                self._blocks_needed += 1  # the next token starts a new block
             reason = req.check_stop()
             if reason is not None:
                 self._finish(req, reason, now)
@@ -439,3 +489,93 @@ class Scheduler:
                 n += 1
         if n != len(self.requests):
             raise AssertionError(f"{len(self.requests)} live requests, {n} queued")
+        needed = sum(self._next_token_blocks(r) for r in self.requests.values())
+        if needed != self._blocks_needed:
+            raise AssertionError(f"blocks needed: counted {self._blocks_needed}, actual {needed}")
+
+    # -- recovery (DESIGN §6): a peer lost KV memory; this core owns every request's state ----
+    def kv_lost(
+        self, *, device: bool = False, host: bool = False, failed: TransferPlan | None = None
+    ) -> Recovery:
+        """Put every request where it can resume from after a peer lost KV memory.
+
+        `device`: the worker restarted and its pool is new (every device block is lost).
+        `host`: kvmem restarted with a fresh host pool (every host copy is lost).
+        `failed`: a transfer batch that failed, so that the blocks it wrote (the host copies
+        of its D2H pairs, the device blocks of its swap-ins) may hold anything.
+
+        A running request whose device KV is lost resumes from the longest prefix of its
+        blocks that have host copies: ROTARY (swap the prefix in, recompute the rest) or,
+        with no such prefix, WAITING (recompute prompt and output tokens). Generated tokens
+        are kept, so no token a client has seen is lost or changed. Call it between
+        iterations, after the failed batch's fence was released.
+        """
+        if self.bm.in_iteration():
+            raise RuntimeError("kv_lost() runs between iterations; a transfer plan is open")
+        bad_dev = {d for _, d in failed.swap_in} if failed else set()
+        bad_host = {h for _, h in failed.swap_out + failed.eager} if failed else set()
+        if device or host:
+            self.bm.drop_fences()
+        lost: Callable[[int], bool] = (lambda h: True) if host else bad_host.__contains__
+        now = self.clock()
+        rec = Recovery()
+        for req in self.running.list():
+            self.bm.drop_host_copies(req, lost)
+            if device or self.bm.has_device_block_in(req, bad_dev):
+                self.running.remove(req)
+                self._resume(req, now, rec)
+            else:
+                rec.kept.append(req.request_id)
+        for req in self.rotary.list():
+            if self.bm.drop_host_copies(req, lost):
+                self.rotary.remove(req)
+                self._resume(req, now, rec)
+        return rec
+
+    def device_lost(self, failed: TransferPlan | None = None) -> Recovery:
+        """The worker restarted: see kv_lost()."""
+        return self.kv_lost(device=True, failed=failed)
+
+    def host_lost(self, failed: TransferPlan | None = None) -> Recovery:
+        """kvmem restarted: see kv_lost()."""
+        return self.kv_lost(host=True, failed=failed)
+
+    def _resume(self, req: Request, now: float, rec: Recovery) -> None:
+        """Off the device: rotary from its host-copied prefix, or waiting to recompute."""
+        k = self.bm.keep_host_prefix(req)
+        computed = req.num_computed_tokens
+        req.num_computed_tokens = min(computed, k * self.config.block_size)
+        if k:
+            req.set_state(RequestState.ROTARY, now)
+            self.rotary.append(req)
+            rec.swap_in.append(req.request_id)
+            return
+        if computed:
+            req.num_recomputes += 1
+            self.stats.recomputes += 1
+        req.set_state(RequestState.WAITING, now)
+        self.waiting.append(req)
+        rec.recompute.append(req.request_id)
+
+
+def _merge(
+    runs: list[list[Entry]], key: Callable[[Request, float], tuple[object, ...]], now: float
+) -> Iterator[Request]:
+    """The requests of sorted runs in `key` order, computing keys only for those consumed."""
+    if len(runs) == 1:  # one group (one SLO class, or a static policy): already in order
+        return (e[2] for e in runs[0])
+    merged = heapq.merge(*runs, key=lambda e: key(e[2], now))
+    return (e[2] for e in merged)
+
+
+@dataclass(slots=True)
+class Recovery:
+    """What kv_lost() did, by request id."""
+
+    kept: list[str] = field(default_factory=list)  # KV intact: carry on running
+    swap_in: list[str] = field(default_factory=list)  # rotary: host-copied prefix + recompute
+    recompute: list[str] = field(default_factory=list)  # waiting: recompute every token
+
+    def as_dict(self) -> dict[str, int]:
+        return {"kept": len(self.kept), "swap_in": len(self.swap_in),
+                "recompute": len(self.recompute)}

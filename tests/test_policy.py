@@ -215,3 +215,65 @@ def test_lvf_rotates_out_to_free_a_seat() -> None:
         r.output_token_ids.extend([1] * 400)  # grow demand past the pool: rotation mode
     out = s.schedule()
     assert "new" in [c.request_id for c in out.chunks] and len(s.running) == 2
+
+
+@pytest.mark.parametrize("name", ["lvf", "fcfs", "swapped-first", "waiting-first"])
+def test_lazy_merged_order_equals_the_plain_sort(name: str) -> None:
+    """The scheduler keeps each policy group sorted and merges them lazily; the result must
+    be the order `candidates()` / `running_order()` define, for any mix of SLO classes,
+    however requests entered and left the queues."""
+    import random
+
+    from scheduler_svc.queue import RequestQueue
+    from scheduler_svc.scheduler import _merge
+
+    rng = random.Random(7)
+    policy = make_policy(name, P)
+    for trial in range(30):
+        now = 100.0
+        waiting = RequestQueue(lambda r: policy.order_key(r, False))
+        rotary = RequestQueue(lambda r: policy.order_key(r, True))
+        running = RequestQueue(policy.running_key)
+        members: list[tuple[RequestQueue, Request]] = []
+        for i in range(rng.randint(0, 60)):
+            slo = SLO(rng.choice([1.0, 5.0, 20.0]), rng.choice([0.05, 0.1, 0.5]))
+            arrival = round(rng.uniform(0, now), 1)  # coarse: ties happen
+            kind = rng.choice(["new", "recompute", "rotary", "running"])
+            last = round(rng.uniform(arrival, now), 1) if kind != "new" else None
+            state = {"rotary": RequestState.ROTARY,
+                     "running": RequestState.RUNNING}.get(kind, RequestState.WAITING)
+            r = req(f"t{trial}-{i}", arrival, state, last_token=last, slo=slo,
+                    run_start=round(rng.uniform(arrival, now), 1) if kind == "running" else None)
+            r.admitted_iteration = rng.randint(0, 50)
+            q = {"rotary": rotary, "running": running}.get(kind, waiting)
+            q.append(r)
+            members.append((q, r))
+        for q, r in rng.sample(members, len(members) // 3):  # leave in any order
+            q.remove(r)
+
+        def ids(reqs: object) -> list[str]:
+            return [r.request_id for r in reqs]  # type: ignore[attr-defined]
+
+        lazy = ids(_merge(waiting.groups() + rotary.groups(), policy.merge_key, now))
+        plain = ids(policy.candidates(waiting.list(), rotary.list(), now))
+        assert lazy == plain
+        lazy_run = ids(_merge(running.groups(), policy.running_merge_key, now))
+        assert lazy_run == ids(policy.running_order(running.list(), now))
+
+
+def test_queue_tracks_its_smallest_request() -> None:
+    from scheduler_svc.queue import RequestQueue
+
+    q = RequestQueue()
+    assert q.min_tokens() is None
+    rs = [req(f"m{i}", 0.0, prompt=n) for i, n in enumerate([30, 10, 20, 10])]
+    for r in rs:
+        q.append(r)
+    assert q.min_tokens() == 10
+    q.remove(rs[1])
+    assert q.min_tokens() == 10
+    q.remove(rs[3])
+    assert q.min_tokens() == 20
+    for r in (rs[0], rs[2]):
+        q.remove(r)
+    assert q.min_tokens() is None

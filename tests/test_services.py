@@ -282,7 +282,8 @@ def test_abort_with_stop_ends_the_stream_as_stopped(roomy: Stack, tokenizer: Tok
         (_request([1, 2, 3], 4, top_p=1.5), "top_p"),
         (_request([1, 2, 3], 4, top_k=-2), "top_k"),
         (_request([1, 10**6], 4), "outside the vocabulary"),
-        (_request([1] * 9000, 4), "8191"),
+        # 256 blocks of 16 tokens: the pool, not the model's 8192, bounds the context.
+        (_request([1] * 9000, 4), "limit is 4095 (the device pool holds 4096 tokens"),
         (scheduler_pb2.GenerateRequest(prompt_token_ids=[1, 2], slo=common_pb2.SLO(ttft_s=-1),
                                        sampling=common_pb2.SamplingParams(max_tokens=2)),
          "SLOs must be positive"),

@@ -3,14 +3,29 @@
 The scheduler (scheduler_svc/scheduler.py) owns the mechanics: token budget, blocks,
 transfers. A policy only orders requests and says who may displace whom, so each policy
 is a few pure functions a test can call on hand-built requests.
+
+Ordering is split in two so that it stays cheap with thousands of live requests:
+
+* `order_key(req)` puts a queued request in a *group* with a *static key*. Within a
+  group, ascending static key is the policy's order at every moment (for LVF, requests
+  of one SLO class lag in the order they arrived or last got a token), so a queue keeps
+  each group sorted as requests enter (`RequestQueue`, O(log n)).
+* `merge_key(req, now)` orders requests across groups. The scheduler merges the sorted
+  groups lazily and evaluates it only for the requests it actually looks at.
+
+`candidates()` and `running_order()` are the same order computed the plain way (one sort
+over everything): the definition the lazy merge must equal, and what tests call.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass
 
-from scheduler_svc.request import Request
+from scheduler_svc.request import Request, RequestState
+
+OrderKey = tuple[Hashable, tuple[float | int | str, ...]]
 
 
 @dataclass(slots=True, frozen=True)
@@ -34,13 +49,31 @@ class Policy(ABC):
     skip_unservable: bool = False
     limits: RotationLimits = RotationLimits()
 
+    # -- candidates: waiting and rotary requests, most deserving first ---------------------
     @abstractmethod
-    def candidates(self, waiting: list[Request], rotary: list[Request], now: float) -> list[Request]:
-        """Requests to bring onto the device, most deserving first."""
+    def order_key(self, req: Request, rotary: bool) -> OrderKey:
+        """(group, static key) of a waiting (`rotary=False`) or rotary request."""
 
     @abstractmethod
+    def merge_key(self, req: Request, now: float) -> tuple[float | int | str, ...]:
+        """Sort key of a candidate at `now`, comparable across groups (smallest first)."""
+
+    # -- running requests, most deserving first; victims come from the tail ----------------
+    @abstractmethod
+    def running_key(self, req: Request) -> OrderKey:
+        """(group, static key) of a running request."""
+
+    @abstractmethod
+    def running_merge_key(self, req: Request, now: float) -> tuple[float | int | str, ...]:
+        """Sort key of a running request at `now` (smallest first)."""
+
+    def candidates(self, waiting: list[Request], rotary: list[Request], now: float) -> list[Request]:
+        """Requests to bring onto the device, most deserving first."""
+        return sorted(waiting + rotary, key=lambda r: self.merge_key(r, now))
+
     def running_order(self, running: list[Request], now: float) -> list[Request]:
         """Running requests, most deserving first; preemption victims come from the tail."""
+        return sorted(running, key=lambda r: self.running_merge_key(r, now))
 
     def may_preempt(self, victim: Request, candidate: Request, now: float) -> bool:
         """May `victim` be rotated out to make room for `candidate` (proactive preemption)?
@@ -50,10 +83,27 @@ class Policy(ABC):
         return False
 
 
-def arrival_order(reqs: list[Request]) -> list[Request]:
-    return sorted(reqs, key=lambda r: (r.arrival_time, r.request_id))
+def arrival_key(req: Request) -> tuple[float, str]:
+    return (req.arrival_time, req.request_id)
 
 
-def admission_order(reqs: list[Request]) -> list[Request]:
+def admission_key(req: Request) -> tuple[int, float, str]:
     """Oldest admission first: the last admitted is the first victim (vLLM's rule)."""
-    return sorted(reqs, key=lambda r: (r.admitted_iteration, r.arrival_time, r.request_id))
+    return (req.admitted_iteration, req.arrival_time, req.request_id)
+
+
+def arrival_order(reqs: list[Request]) -> list[Request]:
+    return sorted(reqs, key=arrival_key)
+
+
+class StaticOrderPolicy(Policy):
+    """A policy whose orders never change with time: the group's key is the sort key."""
+
+    def merge_key(self, req: Request, now: float) -> tuple[float | int | str, ...]:
+        return self.order_key(req, req.state is RequestState.ROTARY)[1]
+
+    def running_key(self, req: Request) -> OrderKey:
+        return 0, admission_key(req)
+
+    def running_merge_key(self, req: Request, now: float) -> tuple[float | int | str, ...]:
+        return admission_key(req)

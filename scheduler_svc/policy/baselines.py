@@ -1,25 +1,27 @@
-"""Baseline policies on the same engine (DESIGN §4), for side-by-side measurement."""
+"""Baseline policies on the same engine (DESIGN §4), for side-by-side measurement.
+
+All three run the running requests in admission order (the last admitted is the first
+victim, vLLM's rule) and order candidates by arrival, with a class rank in front where a
+policy serves one class first.
+"""
 
 from __future__ import annotations
 
-from scheduler_svc.policy.base import Policy, RotationLimits, admission_order, arrival_order
+from scheduler_svc.policy.base import OrderKey, RotationLimits, StaticOrderPolicy
 from scheduler_svc.request import Request, RequestState
 
 
-class FCFSPolicy(Policy):
+class FCFSPolicy(StaticOrderPolicy):
     """vLLM V1 default: no offload; a preempted request recomputes; strict arrival order."""
 
     name = "fcfs"
     offload = False
 
-    def candidates(self, waiting: list[Request], rotary: list[Request], now: float) -> list[Request]:
-        return arrival_order(waiting + rotary)
-
-    def running_order(self, running: list[Request], now: float) -> list[Request]:
-        return admission_order(running)
+    def order_key(self, req: Request, rotary: bool) -> OrderKey:
+        return 0, (req.arrival_time, req.request_id)
 
 
-class SwappedFirstPolicy(Policy):
+class SwappedFirstPolicy(StaticOrderPolicy):
     """vLLM 0.6 with swap preemption: running, then swapped, then new prefills.
 
     Victim = last admitted; no swap-in in an iteration that preempted.
@@ -28,14 +30,12 @@ class SwappedFirstPolicy(Policy):
     name = "swapped-first"
     no_swap_in_after_preemption = True
 
-    def candidates(self, waiting: list[Request], rotary: list[Request], now: float) -> list[Request]:
-        return arrival_order(rotary) + arrival_order(waiting)
-
-    def running_order(self, running: list[Request], now: float) -> list[Request]:
-        return admission_order(running)
+    def order_key(self, req: Request, rotary: bool) -> OrderKey:
+        rank = 0 if rotary else 1
+        return rank, (rank, req.arrival_time, req.request_id)
 
 
-class WaitingFirstPolicy(Policy):
+class WaitingFirstPolicy(StaticOrderPolicy):
     """New prefills before swapped requests, preempting running ones to admit them."""
 
     name = "waiting-first"
@@ -43,11 +43,9 @@ class WaitingFirstPolicy(Policy):
     def __init__(self, limits: RotationLimits | None = None) -> None:
         self.limits = limits or RotationLimits()
 
-    def candidates(self, waiting: list[Request], rotary: list[Request], now: float) -> list[Request]:
-        return arrival_order(waiting) + arrival_order(rotary)
-
-    def running_order(self, running: list[Request], now: float) -> list[Request]:
-        return admission_order(running)
+    def order_key(self, req: Request, rotary: bool) -> OrderKey:
+        rank = 1 if rotary else 0
+        return rank, (rank, req.arrival_time, req.request_id)
 
     def may_preempt(self, victim: Request, candidate: Request, now: float) -> bool:
         return candidate.state is RequestState.WAITING and candidate.first_token_time is None

@@ -1,8 +1,15 @@
-"""Largest-VLT-First (DESIGN §4): rotate requests by how far they lag their SLOs."""
+"""Largest-VLT-First (DESIGN §4): rotate requests by how far they lag their SLOs.
+
+Groups for the lazy order (see policy/base.py): VLT depends on time only through
+`now - anchor`, where the anchor is the arrival (no token yet), the last token (rotary,
+or recomputing after a preemption) or the last admission (running), scaled by the
+request's own SLO. Requests with the same formula and the same SLO therefore keep their
+relative order forever: one group per (formula, SLO), sorted by anchor.
+"""
 
 from __future__ import annotations
 
-from scheduler_svc.policy.base import Policy, RotationLimits
+from scheduler_svc.policy.base import OrderKey, Policy, RotationLimits
 from scheduler_svc.policy.vlt import VLTParams, vlt
 from scheduler_svc.request import Request
 
@@ -17,18 +24,24 @@ class LVFPolicy(Policy):
         self.params = params
         self.limits = limits
 
-    def _order(self, reqs: list[Request], now: float) -> list[Request]:
-        # Highest VLT first, ties to the earlier arrival. Keys are computed once per call
-        # and sorted in C: this runs over every live request each iteration.
-        keys = [(-vlt(r, now, self.params), r.arrival_time) for r in reqs]
-        return [reqs[i] for i in sorted(range(len(reqs)), key=keys.__getitem__)]
+    def order_key(self, req: Request, rotary: bool) -> OrderKey:
+        # Highest VLT first = oldest anchor first within a group; ties to the earlier arrival.
+        last = req.last_token_time
+        if last is None:
+            return ("ttft", req.slo.ttft_s), (req.arrival_time,)
+        return ("tbt", req.slo.tbt_s), (last, req.arrival_time)
 
-    def candidates(self, waiting: list[Request], rotary: list[Request], now: float) -> list[Request]:
-        return self._order(waiting + rotary, now)
+    def merge_key(self, req: Request, now: float) -> tuple[float, ...]:
+        return (-vlt(req, now, self.params), req.arrival_time)
 
-    def running_order(self, running: list[Request], now: float) -> list[Request]:
-        # The tail (lowest VLT: ran longest since admission) is preempted first.
-        return self._order(running, now)
+    def running_key(self, req: Request) -> OrderKey:
+        # A running request's VLT falls with time since its admission: the latest admitted
+        # leads and the longest running is the first victim.
+        start = req.run_start_time if req.run_start_time is not None else float("inf")
+        return req.slo.tbt_s, (-start, req.arrival_time)
+
+    def running_merge_key(self, req: Request, now: float) -> tuple[float, ...]:
+        return (-vlt(req, now, self.params), req.arrival_time)
 
     def may_preempt(self, victim: Request, candidate: Request, now: float) -> bool:
         v = vlt(victim, now, self.params)

@@ -2,7 +2,12 @@
 
 Builds a loaded scheduler — requests running, waiting and rotary under memory pressure —
 by driving the real scheduler with a trivial executor on a simulated clock, then times
-`schedule()` calls at steady state.
+`schedule()` calls at steady state. Each call is timed twice: wall clock, and CPU time of
+this thread (what the decision itself costs, even on a machine busy with other work).
+
+The running batch is capped by `--max-num-seqs` (the engine's default is 256, as vLLM's);
+every running request costs a few microseconds per decision (its chunk and block table),
+so the second default row shows the cost with a batch of thousands.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from superinfer.bench.report import table, write_json
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--live", default="1000,10000", help="live request counts to measure")
+    p.add_argument("--max-num-seqs", default="256,4096",
+                   help="running-batch caps to measure (each with every --live count)")
     p.add_argument("--policy", default="lvf")
     p.add_argument("--iterations", type=int, default=30, help="timed schedule() calls")
     p.add_argument("--xfer-budget-blocks", type=int, default=2400, help="B_xfer (GH200 default)")
@@ -29,14 +36,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def measure(live: int, policy: str, iterations: int, xfer_budget: int | None = 2400,
-            min_residency: int = 32, seed: int = 0) -> dict[str, float]:
+            min_residency: int = 32, seed: int = 0,
+            max_num_seqs: int = 256) -> dict[str, float]:
     rng = random.Random(seed)
     clock = [0.0]
     bs = 16
     # Device memory for about a third of the live requests' KV: rotation is in play.
     sched = Scheduler(
         SchedulerConfig(num_device_blocks=live * 2, num_host_blocks=live * 8, block_size=bs,
-                        max_batched_tokens=8192, max_num_seqs=max(256, live // 2),
+                        max_batched_tokens=8192, max_num_seqs=max_num_seqs,
                         eager_budget_blocks=256),
         make_policy(policy, VLTParams(), RotationLimits(xfer_budget, min_residency)),
         clock=lambda: clock[0],
@@ -47,36 +55,43 @@ def measure(live: int, policy: str, iterations: int, xfer_budget: int | None = 2
             arrival_time=clock[0] - rng.random() * 5, slo=SLO(5.0, 0.1),
         ))
 
-    def step() -> float:
-        t0 = time.perf_counter()
+    def step() -> tuple[float, float]:
+        c0, t0 = time.thread_time(), time.perf_counter()
         out = sched.schedule()
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.thread_time() - c0
         if out.transfers is not None:
             sched.complete_transfer(out.transfers.fence)
         sched.update_from_output(out, ExecuteResult({c.request_id: 1 for c in out.chunks
                                                      if c.sample}))
         clock[0] += 0.05
-        return dt
+        return dt, dc
 
-    for _ in range(10):  # reach a steady state
+    # Reach a steady state: past min_residency, so that rotation is in play.
+    for _ in range(min_residency + 30):
         step()
-    times = [step() for _ in range(iterations)]
+    samples = [step() for _ in range(iterations)]
+    times, cpu = [s[0] for s in samples], [s[1] for s in samples]
     return {
         "live": live,
+        "max_num_seqs": max_num_seqs,
         "running": len(sched.running),
         "waiting": len(sched.waiting),
         "rotary": len(sched.rotary),
         "mean_ms": statistics.fmean(times) * 1e3,
         "p50_ms": statistics.median(times) * 1e3,
         "max_ms": max(times) * 1e3,
+        "cpu_p50_ms": statistics.median(cpu) * 1e3,
+        "cpu_max_ms": max(cpu) * 1e3,
         "rotations": sched.stats.rotations,
     }
 
 
 def run(args: argparse.Namespace) -> int:
     rows = [measure(int(n), args.policy, args.iterations, args.xfer_budget_blocks,
-                    args.min_residency) for n in args.live.split(",")]
-    keys = ["live", "running", "waiting", "rotary", "mean_ms", "p50_ms", "max_ms", "rotations"]
+                    args.min_residency, max_num_seqs=int(m))
+            for m in args.max_num_seqs.split(",") for n in args.live.split(",")]
+    keys = ["live", "max_num_seqs", "running", "waiting", "rotary", "mean_ms", "p50_ms",
+            "max_ms", "cpu_p50_ms", "cpu_max_ms", "rotations"]
     print(f"schedule() cost, policy {args.policy}")
     print(table(keys, [[r[k] for k in keys] for r in rows]))
     write_json(args.json, {"policy": args.policy, "results": rows})
