@@ -57,7 +57,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.include_router(openai_routes.router)
     app.include_router(ops_routes.router)
     _add_error_handlers(app, ctx)
-    app.add_middleware(RequestContextMiddleware, api_key=settings.api_key)
+    app.add_middleware(
+        RequestContextMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
+        in_flight=ctx.in_flight, metrics=ctx.metrics,
+    )
     return app
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from gateway.backend import ModelState, SchedulerBackend
 from gateway.errors import APIError
 from gateway.generation import ActiveRequests, Generation
+from gateway.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_IN_FLIGHT, InFlightLimit
 from gateway.metrics import GatewayMetrics
 from proto import common_pb2, scheduler_pb2
 
@@ -21,12 +22,21 @@ class GatewaySettings:
     api_key: str | None = None
     rpc_timeout_s: float = 5.0
     request_timeout_s: float | None = None  # deadline of one Generate stream; None: none
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT  # REST /v1/* and client gRPC together; 0: none
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1:
+            raise ValueError(f"--max-body-bytes must be at least 1, got {self.max_body_bytes}")
+        if self.max_in_flight < 0:
+            raise ValueError(f"--max-in-flight must be >= 0 (0: no limit), got {self.max_in_flight}")
 
 
 @dataclass(slots=True)
 class GatewayContext:
     settings: GatewaySettings
     backend: SchedulerBackend
+    in_flight: InFlightLimit
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     active: ActiveRequests = field(default_factory=ActiveRequests)
     started: int = field(default_factory=lambda: int(time.time()))
@@ -39,7 +49,8 @@ class GatewayContext:
             rpc_timeout_s=settings.rpc_timeout_s,
             generate_timeout_s=settings.request_timeout_s,
         )
-        return cls(settings=settings, backend=backend)
+        return cls(settings=settings, backend=backend,
+                   in_flight=InFlightLimit(settings.max_in_flight))
 
     def check_model(self, requested: str | None, model: ModelState) -> None:
         """Clients may omit the model (as vLLM allows); a wrong name is a 404."""

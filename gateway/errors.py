@@ -8,11 +8,12 @@ a stack trace or FastAPI's default ``{"detail": ...}``.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import grpc
 
-from superinfer.errors import SuperInferError
+from superinfer.errors import RETRY_PUSHBACK_KEY, SuperInferError
 
 # Seconds a client should wait before retrying a 429/503.
 RETRY_AFTER_S = 1
@@ -66,6 +67,14 @@ class APIError(Exception):
     def grpc_code(self) -> grpc.StatusCode:
         return _GRPC_BY_STATUS.get(self.status, grpc.StatusCode.INTERNAL)
 
+    @property
+    def grpc_trailers(self) -> tuple[tuple[str, str], ...]:
+        """The retry hint of a 429/503 for gRPC clients, as gRPC's own pushback key."""
+        retry_after = self.headers.get("Retry-After")
+        if retry_after is None or not retry_after.isdigit():
+            return ()
+        return ((RETRY_PUSHBACK_KEY, str(int(retry_after) * 1000)),)
+
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
@@ -73,6 +82,10 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 
 def unavailable(message: str) -> APIError:
     return APIError(503, message, code="scheduler_unavailable")
+
+
+def overloaded(message: str) -> APIError:
+    return APIError(429, message, code="overloaded")
 
 
 def from_superinfer(err: SuperInferError, param: str | None = None) -> APIError:
@@ -112,4 +125,16 @@ def from_grpc(err: grpc.aio.AioRpcError) -> APIError:
         detail = f"the scheduler is unavailable ({detail}); retry shortly"
     elif status == 500:
         detail = f"the scheduler failed: {detail}"
-    return APIError(status, detail, code=code)
+    headers = {}
+    pushback = _retry_pushback_s(err)
+    if pushback is not None and status in (429, 503):
+        headers["Retry-After"] = str(pushback)
+    return APIError(status, detail, code=code, headers=headers)
+
+
+def _retry_pushback_s(err: grpc.aio.AioRpcError) -> int | None:
+    """The scheduler's retry hint in whole seconds (at least 1), if it sent one."""
+    for key, value in err.trailing_metadata() or ():
+        if key == RETRY_PUSHBACK_KEY and isinstance(value, str) and value.isdigit():
+            return max(1, math.ceil(int(value) / 1000))
+    return None

@@ -4,7 +4,9 @@ It shares validation, tokenization, stop strings and cleanup with the REST route
 (prompts.py, generation.py) and runs on uvicorn's event loop, so both front doors see
 the same in-flight table: a gRPC Abort can end a REST request by its id and vice versa.
 Proto3 scalars cannot say "not set", so 0 means the default for max_tokens (up to the
-context limit) and top_p (1.0); temperature 0 is greedy.
+context limit) and top_p (1.0); temperature 0 is greedy. With --api-key, every call needs
+``authorization: Bearer <key>`` metadata (UNAUTHENTICATED otherwise), and Generate takes a
+slot of the gateway's in-flight limit, like a REST request (RESOURCE_EXHAUSTED past it).
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ from gateway import prompts
 from gateway.context import GatewayContext
 from gateway.errors import APIError, invalid
 from gateway.generation import Generation
-from gateway.middleware import new_request_id, valid_request_id
-from gateway.openai_schema import MAX_STOP_STRINGS
+from gateway.middleware import check_api_key, new_request_id, valid_request_id
+from gateway.openai_schema import MAX_STOP_STRINGS, check_stop_lengths
 from proto import client_pb2, client_pb2_grpc
+
+# The scheduler checks each sampled token against them, so they are bounded like stop strings.
+MAX_STOP_TOKEN_IDS = 64
 
 # A lazy proxy, not get_logger(): a logger bound at import time would keep the default
 # configuration instead of the one configure_logging() installs later.
@@ -38,29 +43,52 @@ class SuperInferServicer(client_pb2_grpc.SuperInferServicer):
         request_id = request.request_id or _metadata_request_id(context) or new_request_id()
         with structlog.contextvars.bound_contextvars(request_id=request_id):
             try:
-                gen = await self._prepare(request, request_id)
+                self._authorize(context)
+                self._ctx.in_flight.acquire()
             except APIError as e:
                 self._ctx.metrics.requests.labels("rejected").inc()
-                await context.abort(e.grpc_code, e.message)
+                await _abort(context, e)
                 return
-            await context.send_initial_metadata((("x-request-id", request_id),))
             try:
-                async for delta in gen.stream():
-                    yield client_pb2.ClientGenerateEvent(
-                        request_id=request_id,
-                        text=delta.text,
-                        token_ids=delta.token_ids,
-                        finish_reason=delta.finish_reason or "",
-                        prompt_tokens=gen.prompt_tokens,
-                        completion_tokens=gen.completion_tokens,
-                    )
-            except APIError as e:
-                await context.abort(e.grpc_code, e.message)
+                try:
+                    gen = await self._prepare(request, request_id)
+                except APIError as e:
+                    self._ctx.metrics.requests.labels("rejected").inc()
+                    await _abort(context, e)
+                    return
+                await context.send_initial_metadata((("x-request-id", request_id),))
+                try:
+                    async for delta in gen.stream():
+                        yield client_pb2.ClientGenerateEvent(
+                            request_id=request_id,
+                            text=delta.text,
+                            token_ids=delta.token_ids,
+                            finish_reason=delta.finish_reason or "",
+                            prompt_tokens=gen.prompt_tokens,
+                            completion_tokens=gen.completion_tokens,
+                        )
+                except APIError as e:
+                    await _abort(context, e)
+            finally:
+                self._ctx.in_flight.release()
 
     async def Abort(  # noqa: N802 - gRPC method name
         self, request: client_pb2.ClientAbortRequest, context: grpc.aio.ServicerContext
     ) -> client_pb2.ClientAbortReply:
+        try:
+            self._authorize(context)
+        except APIError as e:
+            await _abort(context, e)
         return client_pb2.ClientAbortReply(found=self._ctx.active.abort(request.request_id))
+
+    def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        key = self._ctx.settings.api_key
+        if not key:
+            return
+        given = _metadata(context, "authorization")
+        error = check_api_key(given.encode("latin-1", "replace") if given else None, key.encode())
+        if error is not None:
+            raise error
 
     async def _prepare(self, request: client_pb2.ClientGenerateRequest, request_id: str) -> Generation:
         if not valid_request_id(request_id):
@@ -70,12 +98,20 @@ class SuperInferServicer(client_pb2_grpc.SuperInferServicer):
         ctx.check_model(request.model or None, model)
         if request.prompt and request.prompt_token_ids:
             raise invalid("give either prompt or prompt_token_ids, not both", "prompt")
-        if request.prompt:
-            ids = model.tokenizer.encode(request.prompt)
-        else:
-            ids = prompts.check_token_ids(list(request.prompt_token_ids), model.vocab_size, "prompt_token_ids")
         if len(request.stop) > MAX_STOP_STRINGS:
             raise invalid(f"at most {MAX_STOP_STRINGS} stop strings are supported", "stop")
+        try:
+            check_stop_lengths(list(request.stop))
+        except ValueError as e:
+            raise invalid(str(e), "stop") from None
+        if len(request.sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise invalid(f"at most {MAX_STOP_TOKEN_IDS} stop token ids are supported",
+                          "stop_token_ids")
+        if request.prompt:
+            ids = await prompts.tokenize(model.tokenizer.encode, request.prompt,
+                                         size=len(request.prompt))
+        else:
+            ids = prompts.check_token_ids(list(request.prompt_token_ids), model.vocab_size, "prompt_token_ids")
         sp = request.sampling
         sampling = prompts.sampling_params(
             prompts.Sampling(
@@ -101,16 +137,29 @@ class SuperInferServicer(client_pb2_grpc.SuperInferServicer):
 
 
 def _metadata_request_id(context: grpc.aio.ServicerContext) -> str | None:
+    return _metadata(context, "x-request-id")
+
+
+def _metadata(context: grpc.aio.ServicerContext, name: str) -> str | None:
     for key, value in context.invocation_metadata() or ():
-        if key == "x-request-id" and isinstance(value, str):
+        if key == name and isinstance(value, str):
             return value
     return None
 
 
+async def _abort(context: grpc.aio.ServicerContext, error: APIError) -> None:
+    """End the call with the error's status; a 429/503 carries gRPC's retry pushback."""
+    await context.abort(error.grpc_code, error.message, trailing_metadata=error.grpc_trailers)
+
+
 async def start_server(ctx: GatewayContext, host: str, port: int) -> grpc.aio.Server:
     """Serve SuperInfer and the standard health service on ``host:port``."""
-    # No SO_REUSEPORT: a second gateway on a busy port must fail, not share it.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    # No SO_REUSEPORT: a second gateway on a busy port must fail, not share it. A message
+    # over --max-body-bytes is refused by gRPC itself (RESOURCE_EXHAUSTED), like a REST body.
+    server = grpc.aio.server(options=[
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", ctx.settings.max_body_bytes),
+    ])
     client_pb2_grpc.add_SuperInferServicer_to_server(SuperInferServicer(ctx), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -1,5 +1,9 @@
 """Per-request context: the X-Request-ID, its log binding, and the optional API key.
 
+It also bounds what a request may cost before any route runs: /v1/* requests take a slot
+of the shared in-flight limit (429 past it) and their body is read here, counted as it
+arrives, up to --max-body-bytes (413 past it, chunked uploads included).
+
 Written as plain ASGI rather than Starlette's BaseHTTPMiddleware, which buffers through
 an extra task per request and gets in the way of streaming and disconnect detection.
 """
@@ -16,10 +20,15 @@ import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import APIError
+from gateway.limits import DEFAULT_MAX_BODY_BYTES, InFlightLimit, body_too_large, read_body
+from gateway.metrics import GatewayMetrics
+from gateway.openai_routes import GENERATION_PATHS
+
+# A lazy proxy, not get_logger(): a logger bound at import time would keep the default
+# configuration instead of the one configure_logging() installs later.
+log = structlog.get_logger()
 
 REQUEST_ID_HEADER = "x-request-id"
-# Far above any prompt that fits a context window; refuses bodies that would only eat memory.
-MAX_BODY_BYTES = 32 << 20
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
@@ -32,9 +41,20 @@ def valid_request_id(value: str) -> bool:
 
 
 class RequestContextMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | None = None,
+        *,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        in_flight: InFlightLimit | None = None,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
         self.app = app
         self._api_key = api_key.encode() if api_key else None
+        self._max_body = max_body_bytes
+        self._in_flight = in_flight or InFlightLimit(0)
+        self._metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -53,10 +73,11 @@ class RequestContextMiddleware:
                     400, "X-Request-ID must be 1-128 characters of A-Z a-z 0-9 . _ -",
                     param="X-Request-ID", code="invalid_request_id",
                 )
-        if error is None and self._api_key and scope["path"].startswith("/v1/"):
-            error = _check_key(headers.get(b"authorization"), self._api_key)
+        api = scope["path"].startswith("/v1/")
+        if error is None and self._api_key and api:
+            error = check_api_key(headers.get(b"authorization"), self._api_key)
         if error is None:
-            error = _check_length(headers.get(b"content-length"))
+            error = _check_length(headers.get(b"content-length"), self._max_body)
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
         state["arrival"] = time.monotonic()
@@ -70,14 +91,48 @@ class RequestContextMiddleware:
             await send(message)
 
         with structlog.contextvars.bound_contextvars(request_id=request_id):
+            if error is None and api:
+                try:
+                    self._in_flight.acquire()
+                except APIError as e:
+                    error = e
             if error is not None:
-                await _send_error(error, send_with_id)
+                await self._reject(scope, error, send_with_id)
                 return
-            await self.app(scope, receive, send_with_id)
+            try:
+                if api:
+                    body = await read_body(receive, self._max_body)
+                    if isinstance(body, APIError):
+                        await self._reject(scope, body, send_with_id)
+                        return
+                    receive = _replay(body, receive)
+                await self.app(scope, receive, send_with_id)
+            finally:
+                if api:
+                    self._in_flight.release()
+
+    async def _reject(self, scope: Scope, error: APIError, send: Send) -> None:
+        log.info("request rejected", status=error.status, code=error.code, path=scope["path"])
+        if self._metrics is not None and scope["path"] in GENERATION_PATHS:
+            self._metrics.requests.labels("rejected").inc()
+        await _send_error(error, send)
 
 
+def _replay(messages: tuple[Message, ...], receive: Receive) -> Receive:
+    """Hand the already-read body to the app, then pass on what the client sends next."""
+    pending = list(messages)
 
-def _check_key(header: bytes | None, key: bytes) -> APIError | None:
+    async def replayed() -> Message:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return replayed
+
+
+def check_api_key(header: bytes | None, key: bytes) -> APIError | None:
+    """None when ``header`` is 'Bearer <key>'; the compare takes the same time wherever
+    the given token differs (it still reveals the key's length, as any compare does)."""
     scheme, _, token = (header or b"").partition(b" ")
     if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key):
         return None
@@ -87,13 +142,13 @@ def _check_key(header: bytes | None, key: bytes) -> APIError | None:
     )
 
 
-def _check_length(header: bytes | None) -> APIError | None:
+def _check_length(header: bytes | None, limit: int) -> APIError | None:
     if header is None:
         return None
     if not header.isdigit():
         return APIError(400, "Content-Length is not a number", code="invalid_content_length")
-    if int(header) > MAX_BODY_BYTES:
-        return APIError(413, f"request body over {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
+    if int(header) > limit:
+        return body_too_large(limit)
     return None
 
 

@@ -24,6 +24,9 @@ from pydantic import (
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 16
+# Each token checks every stop string's prefixes against the text's end (O(length^2)):
+# a long one would stall the event loop that serves every stream.
+MAX_STOP_STRING_CHARS = 256
 
 ChatRole = Literal["system", "user", "assistant"]
 # OpenAI's newer name for the system role.
@@ -74,12 +77,16 @@ class SamplingRequest(_Request):
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, v: Any) -> str | list[str] | None:
-        if v is None or isinstance(v, str):
+        if v is None:
+            return v
+        if isinstance(v, str):
+            check_stop_lengths([v])
             return v
         if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
             raise ValueError("stop must be a string or a list of strings")
         if len(v) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported")
+        check_stop_lengths(v)
         return v
 
     @property
@@ -106,6 +113,13 @@ class SamplingRequest(_Request):
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
         return None
+
+
+def check_stop_lengths(stop: list[str]) -> None:
+    longest = max((len(s) for s in stop), default=0)
+    if longest > MAX_STOP_STRING_CHARS:
+        raise ValueError(
+            f"a stop string may be at most {MAX_STOP_STRING_CHARS} characters, got {longest}")
 
 
 class CompletionRequest(SamplingRequest):

@@ -8,12 +8,17 @@ uvicorn's access log is off because every request already logs JSON lines with i
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import os
 import sys
 from pathlib import Path
 
 from gateway.context import GatewaySettings
+from gateway.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_IN_FLIGHT
 from superinfer.daemon import PidFile
 from superinfer.logging import configure_logging, get_logger
+
+API_KEY_ENV = "SUPERINFER_API_KEY"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,8 +32,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model name clients use (default: the scheduler's model name)")
     g.add_argument("--run-dir", default="./.superinfer", help="where gateway.log and gateway.pid go")
     g.add_argument("--log-level", default="info", help="debug, info, warning, error")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: no auth)")
+    # From the environment by default: a flag's value is visible to every local user in ps.
+    g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* and on the client gRPC "
+                        f"API (default: ${API_KEY_ENV}, else no auth)")
+    g.add_argument("--max-in-flight", type=int, default=DEFAULT_MAX_IN_FLIGHT,
+                   help="requests handled at once, REST and gRPC together; past it 429 / "
+                        "RESOURCE_EXHAUSTED (0: no limit)")
+    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body; past it 413")
     g.add_argument("--rpc-timeout", type=float, default=5.0,
                    help="deadline of unary scheduler calls, seconds")
     g.add_argument("--request-timeout", type=float, default=None,
@@ -44,6 +56,8 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         api_key=args.api_key,
         rpc_timeout_s=args.rpc_timeout,
         request_timeout_s=args.request_timeout,
+        max_body_bytes=args.max_body_bytes,
+        max_in_flight=args.max_in_flight,
     )
 
 
@@ -64,6 +78,14 @@ def main(args: argparse.Namespace) -> int:
         if not 0 <= port <= 65535:
             log.error("invalid port", flag=name, port=port)
             return 2
+    try:
+        settings = settings_from_args(args)
+    except ValueError as e:
+        log.error("invalid settings", error=str(e))
+        return 2
+    if not settings.api_key and not _is_loopback(args.host):
+        log.warning("listening beyond loopback without an API key; anyone who can reach "
+                    f"{args.host} can generate. Set ${API_KEY_ENV} to require one", host=args.host)
     pid_file = PidFile(run_dir / "gateway.pid")
     try:
         pid_file.acquire()  # one gateway per run dir, like every other service
@@ -71,7 +93,7 @@ def main(args: argparse.Namespace) -> int:
         log.error("already_running", error=str(e))
         return 1
     try:
-        app = create_app(settings_from_args(args))
+        app = create_app(settings)
         config = uvicorn.Config(
             app, host=args.host, port=args.port, loop="uvloop", workers=1,
             access_log=False, log_config=None, log_level=args.log_level,
@@ -87,6 +109,13 @@ def main(args: argparse.Namespace) -> int:
         return 0 if server.started else 1
     finally:
         pid_file.release()
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _standalone() -> int:

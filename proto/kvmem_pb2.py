@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto import worker_pb2 as proto_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11proto/kvmem.proto\x12\nsuperinfer\x1a\x12proto/worker.proto\"3\n\x0b\x41ttachReply\x12\x13\n\x0bhost_blocks\x18\x01 \x01(\x05\x12\x0f\n\x07pool_id\x18\x02 \x01(\t\"&\n\nBlockPairs\x12\x0b\n\x03src\x18\x01 \x03(\x05\x12\x0b\n\x03\x64st\x18\x02 \x03(\x05\"\xab\x01\n\x0fTransferRequest\x12\r\n\x05\x66\x65nce\x18\x01 \x01(\x03\x12\x0f\n\x07pool_id\x18\x02 \x01(\t\x12(\n\x08swap_out\x18\x03 \x01(\x0b\x32\x16.superinfer.BlockPairs\x12\'\n\x07swap_in\x18\x04 \x01(\x0b\x32\x16.superinfer.BlockPairs\x12%\n\x05\x65\x61ger\x18\x05 \x01(\x0b\x32\x16.superinfer.BlockPairs\"s\n\rTransferReply\x12\r\n\x05\x66\x65nce\x18\x01 \x01(\x03\x12\r\n\x05\x64\x32h_s\x18\x02 \x01(\x01\x12\r\n\x05h2d_s\x18\x03 \x01(\x01\x12\x0f\n\x07total_s\x18\x04 \x01(\x01\x12\x11\n\tbytes_d2h\x18\x05 \x01(\x03\x12\x11\n\tbytes_h2d\x18\x06 \x01(\x03\"\x13\n\x11KVMemStatsRequest\"\x8b\x01\n\nKVMemStats\x12\x13\n\x0bhost_blocks\x18\x01 \x01(\x05\x12\x0f\n\x07pool_id\x18\x02 \x01(\t\x12\x11\n\ttransfers\x18\x03 \x01(\x03\x12\x12\n\nblocks_d2h\x18\x04 \x01(\x03\x12\x12\n\nblocks_h2d\x18\x05 \x01(\x03\x12\x0e\n\x06\x62usy_s\x18\x06 \x01(\x01\x12\x0c\n\x04mode\x18\x07 \x01(\t2\xcf\x01\n\x05KVMem\x12?\n\nAttachPool\x12\x18.superinfer.KVPoolHandle\x1a\x17.superinfer.AttachReply\x12\x42\n\x08Transfer\x12\x1b.superinfer.TransferRequest\x1a\x19.superinfer.TransferReply\x12\x41\n\x08GetStats\x12\x1d.superinfer.KVMemStatsRequest\x1a\x16.superinfer.KVMemStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11proto/kvmem.proto\x12\nsuperinfer\x1a\x12proto/worker.proto\"I\n\x0b\x41ttachReply\x12\x13\n\x0bhost_blocks\x18\x01 \x01(\x05\x12\x0f\n\x07pool_id\x18\x02 \x01(\t\x12\x14\n\x0chost_pool_id\x18\x03 \x01(\t\"&\n\nBlockPairs\x12\x0b\n\x03src\x18\x01 \x03(\x05\x12\x0b\n\x03\x64st\x18\x02 \x03(\x05\"\xab\x01\n\x0fTransferRequest\x12\r\n\x05\x66\x65nce\x18\x01 \x01(\x03\x12\x0f\n\x07pool_id\x18\x02 \x01(\t\x12(\n\x08swap_out\x18\x03 \x01(\x0b\x32\x16.superinfer.BlockPairs\x12\'\n\x07swap_in\x18\x04 \x01(\x0b\x32\x16.superinfer.BlockPairs\x12%\n\x05\x65\x61ger\x18\x05 \x01(\x0b\x32\x16.superinfer.BlockPairs\"s\n\rTransferReply\x12\r\n\x05\x66\x65nce\x18\x01 \x01(\x03\x12\r\n\x05\x64\x32h_s\x18\x02 \x01(\x01\x12\r\n\x05h2d_s\x18\x03 \x01(\x01\x12\x0f\n\x07total_s\x18\x04 \x01(\x01\x12\x11\n\tbytes_d2h\x18\x05 \x01(\x03\x12\x11\n\tbytes_h2d\x18\x06 \x01(\x03\"\x13\n\x11KVMemStatsRequest\"\x8b\x01\n\nKVMemStats\x12\x13\n\x0bhost_blocks\x18\x01 \x01(\x05\x12\x0f\n\x07pool_id\x18\x02 \x01(\t\x12\x11\n\ttransfers\x18\x03 \x01(\x03\x12\x12\n\nblocks_d2h\x18\x04 \x01(\x03\x12\x12\n\nblocks_h2d\x18\x05 \x01(\x03\x12\x0e\n\x06\x62usy_s\x18\x06 \x01(\x01\x12\x0c\n\x04mode\x18\x07 \x01(\t2\xcf\x01\n\x05KVMem\x12?\n\nAttachPool\x12\x18.superinfer.KVPoolHandle\x1a\x17.superinfer.AttachReply\x12\x42\n\x08Transfer\x12\x1b.superinfer.TransferRequest\x1a\x19.superinfer.TransferReply\x12\x41\n\x08GetStats\x12\x1d.superinfer.KVMemStatsRequest\x1a\x16.superinfer.KVMemStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.kvmem_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ATTACHREPLY']._serialized_start=53
-  _globals['_ATTACHREPLY']._serialized_end=104
-  _globals['_BLOCKPAIRS']._serialized_start=106
-  _globals['_BLOCKPAIRS']._serialized_end=144
-  _globals['_TRANSFERREQUEST']._serialized_start=147
-  _globals['_TRANSFERREQUEST']._serialized_end=318
-  _globals['_TRANSFERREPLY']._serialized_start=320
-  _globals['_TRANSFERREPLY']._serialized_end=435
-  _globals['_KVMEMSTATSREQUEST']._serialized_start=437
-  _globals['_KVMEMSTATSREQUEST']._serialized_end=456
-  _globals['_KVMEMSTATS']._serialized_start=459
-  _globals['_KVMEMSTATS']._serialized_end=598
-  _globals['_KVMEM']._serialized_start=601
-  _globals['_KVMEM']._serialized_end=808
+  _globals['_ATTACHREPLY']._serialized_end=126
+  _globals['_BLOCKPAIRS']._serialized_start=128
+  _globals['_BLOCKPAIRS']._serialized_end=166
+  _globals['_TRANSFERREQUEST']._serialized_start=169
+  _globals['_TRANSFERREQUEST']._serialized_end=340
+  _globals['_TRANSFERREPLY']._serialized_start=342
+  _globals['_TRANSFERREPLY']._serialized_end=457
+  _globals['_KVMEMSTATSREQUEST']._serialized_start=459
+  _globals['_KVMEMSTATSREQUEST']._serialized_end=478
+  _globals['_KVMEMSTATS']._serialized_start=481
+  _globals['_KVMEMSTATS']._serialized_end=620
+  _globals['_KVMEM']._serialized_start=623
+  _globals['_KVMEM']._serialized_end=830
 # @@protoc_insertion_point(module_scope)

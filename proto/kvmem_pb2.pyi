@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AttachReply(_message.Message):
-    __slots__ = ("host_blocks", "pool_id")
+    __slots__ = ("host_blocks", "pool_id", "host_pool_id")
     HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_POOL_ID_FIELD_NUMBER: _ClassVar[int]
     host_blocks: int
     pool_id: str
-    def __init__(self, host_blocks: _Optional[int] = ..., pool_id: _Optional[str] = ...) -> None: ...
+    host_pool_id: str
+    def __init__(self, host_blocks: _Optional[int] = ..., pool_id: _Optional[str] = ..., host_pool_id: _Optional[str] = ...) -> None: ...
 
 class BlockPairs(_message.Message):
     __slots__ = ("src", "dst")

@@ -47,6 +47,14 @@ class Daemon(ABC):
     async def stop(self) -> None:
         """Release what start() took; called once, also after a failed start."""
 
+    async def drain(self) -> None:
+        """On SIGTERM, before the server stops: finish or cancel in-flight work.
+
+        Health already says NOT_SERVING; the gRPC server still answers, so streams can
+        deliver their last events. Nothing to do for a service whose calls are short.
+        """
+        return None
+
 
 class PidFile:
     """`<run_dir>/<service>.pid`, refusing to start a second copy in the same run dir."""
@@ -146,6 +154,8 @@ async def _serve(daemon: Daemon, addr: str) -> int:
 
     log.info("stopping")
     await status.enter_graceful_shutdown()
+    if rc == 0 and starting.done() and not starting.cancelled():
+        await daemon.drain()
     await server.stop(STOP_GRACE_S)
     await daemon.stop()
     log.info("stopped", rc=rc)

@@ -66,3 +66,9 @@ class UnavailableError(SuperInferError):
 
     code = "unavailable"
     http_status = 503
+
+
+# gRPC's standard trailing-metadata key for "retry after this many milliseconds" (its own
+# retry machinery honours it). The scheduler sends it with RESOURCE_EXHAUSTED and the
+# gateway turns it into HTTP Retry-After.
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"

@@ -19,7 +19,9 @@ from types import FrameType, ModuleType
 
 from superinfer.config import EngineConfig
 from superinfer.daemon import add_daemon_arguments
+from superinfer.logging import configure_logging
 from superinfer.supervisor import (
+    RestartPolicy,
     ServiceFailed,
     ServiceSpec,
     Supervisor,
@@ -77,7 +79,14 @@ def _add_scheduler(p: argparse.ArgumentParser) -> None:
     g.add_argument("--worker-addr", default=f"127.0.0.1:{PORTS['worker']}")
     g.add_argument("--kvmem-addr", default=f"127.0.0.1:{PORTS['kvmem']}")
     g.add_argument("--connect-timeout", type=float, default=300.0,
-                   help="seconds to wait for the worker and kvmem to be SERVING")
+                   help="seconds to wait for the worker and kvmem to be SERVING, at start "
+                        "and whenever one restarts (requests wait, then fail)")
+    g.add_argument("--batch-timeout", type=float, default=120.0,
+                   help="deadline of one Execute or Transfer call, seconds (a hung peer "
+                        "fails the iteration, which is then recovered)")
+    g.add_argument("--shutdown-grace", type=float, default=3.0,
+                   help="on SIGTERM, seconds live requests may take to finish before they "
+                        "are cancelled with an error")
     _add_engine_flags(p, _scheduler_flag)
 
 
@@ -86,6 +95,10 @@ def _run(module: str) -> Callable[[argparse.Namespace], int]:
 
     def run(args: argparse.Namespace) -> int:
         die_with_supervisor()
+        if module == "kvmem_svc.service":
+            from kvmem_svc.tunables import reexec_with_copy_tunables
+
+            reexec_with_copy_tunables()  # before torch loads: glibc reads tunables at start
         return int(importlib.import_module(module).main(args) or 0)
 
     return run
@@ -107,6 +120,12 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="REST and client gRPC listen address")
     g.add_argument("--port", type=int, default=GATEWAY_HTTP_PORT, help="REST port")
     g.add_argument("--grpc-port", type=int, default=GATEWAY_GRPC_PORT, help="client gRPC port")
+    # Passed to the gateway by name; the API key only through $SUPERINFER_API_KEY, which
+    # the gateway inherits, so that it never shows on a command line.
+    g.add_argument("--max-in-flight", type=int, default=None,
+                   help="requests the gateway handles at once; past it 429 (default 1024)")
+    g.add_argument("--max-body-bytes", type=int, default=None,
+                   help="largest request body; past it 413 (default 4 MiB)")
     s = p.add_argument_group("services (listen on 127.0.0.1)")
     s.add_argument("--scheduler-port", type=int, default=PORTS["scheduler"])
     s.add_argument("--worker-port", type=int, default=PORTS["worker"])
@@ -115,6 +134,16 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     s.add_argument("--log-level", default="info")
     s.add_argument("--startup-timeout", type=float, default=300.0,
                    help="seconds each service may take to become ready")
+    s.add_argument("--shutdown-grace", type=float, default=3.0,
+                   help="on SIGTERM/Ctrl-C, seconds in-flight requests may take to finish "
+                        "before they are cancelled with an error")
+    r = p.add_argument_group("restarts (a service that dies is restarted)")
+    r.add_argument("--max-restarts", type=int, default=5,
+                   help="deaths of one service within --restart-window after which serve "
+                        "gives up and stops (0: stop at the first death)")
+    r.add_argument("--restart-window", type=float, default=120.0, help="seconds")
+    r.add_argument("--restart-backoff", type=float, default=0.5,
+                   help="first restart delay, seconds; doubles per death up to 10 s")
     EngineConfig.add_arguments(p)
 
 
@@ -144,21 +173,23 @@ def service_specs(args: argparse.Namespace) -> list[ServiceSpec]:
     specs = [
         ServiceSpec("worker", [*base, "worker", *_argv_for(_add_worker, {
             **common, "port": args.worker_port})], grpc_probe(addr["worker"]),
-            run_dir / "worker.pid"),
+            run_dir / "worker.pid", stop_stage=0),
         ServiceSpec("kvmem", [*base, "kvmem", *_argv_for(_add_kvmem, {
             **common, "port": args.kvmem_port})], grpc_probe(addr["kvmem"]),
-            run_dir / "kvmem.pid"),
+            run_dir / "kvmem.pid", stop_stage=1),
+        # Stops together with the gateway: its drain ends the gateway's streams cleanly.
         ServiceSpec("scheduler", [*base, "scheduler", *_argv_for(_add_scheduler, {
             **common, "port": args.scheduler_port, "worker_addr": addr["worker"],
             "kvmem_addr": addr["kvmem"], "connect_timeout": args.startup_timeout})],
-            grpc_probe(addr["scheduler"]), run_dir / "scheduler.pid"),
+            grpc_probe(addr["scheduler"]), run_dir / "scheduler.pid", stop_stage=2),
     ]
     gateway = _gateway_module()
     if gateway is not None:
         probe_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
         specs.append(ServiceSpec("gateway", [*base, "gateway", *_argv_for(gateway.add_arguments, {
             **vars(args), "scheduler_addr": addr["scheduler"]})],
-            http_probe(f"http://{probe_host}:{args.port}/health"), run_dir / "gateway.pid"))
+            http_probe(f"http://{probe_host}:{args.port}/health"), run_dir / "gateway.pid",
+            stop_stage=2))
     return specs
 
 
@@ -173,7 +204,17 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 def _serve(args: argparse.Namespace) -> int:
     EngineConfig.from_args(args)  # flag errors here, not in a child's log
     run_dir = Path(args.run_dir)
-    sup = Supervisor(run_dir)
+    try:
+        policy = RestartPolicy(backoff_s=args.restart_backoff,
+                               max_backoff_s=max(10.0, args.restart_backoff),
+                               max_restarts=args.max_restarts, window_s=args.restart_window)
+        # Restarts and stops are logged as JSON lines, to stderr and supervisor.log.
+        configure_logging("supervisor", run_dir / "supervisor.log", args.log_level)
+    except ValueError as e:
+        print(f"superinfer serve: error: {e}", file=sys.stderr)
+        return 2
+    # A stage stops once its drain is over: the grace period, plus time to unwind.
+    sup = Supervisor(run_dir, stop_timeout_s=args.shutdown_grace + 10.0)
     specs = service_specs(args)
     signal.signal(signal.SIGTERM, _on_sigterm)
     rc = 0
@@ -182,7 +223,8 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"starting {spec.name} …", file=sys.stderr, flush=True)
             sup.start(spec, args.startup_timeout)
         _print_ready(args, specs, run_dir)
-        failed = sup.wait()
+        failed = sup.wait(poll_s=0.1, restart=policy if args.max_restarts else None,
+                          startup_timeout_s=args.startup_timeout)
         print(f"superinfer: {failed.name} {failed.why}; stopping the others\n"
               f"--- last lines of {run_dir / (failed.name + '.out')}:\n{failed.tail}",
               file=sys.stderr)

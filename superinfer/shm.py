@@ -1,13 +1,16 @@
 """Torch tensors in POSIX shared memory: how the worker shares its KV pool with kvmem.
 
 The worker *creates* the segment (owner-only permissions, an unguessable name) and is
-the only process that unlinks it; kvmem *attaches* to it by name. Both pre-fault every
-page at once, because the first pass of copies into a freshly mapped pool runs ~4x slower
-than later ones (DESIGN §5), and a latency-bound rotation must not pay that on a request.
+the only process that unlinks it — unless it was killed, when its `SegmentRecord` in the
+run dir lets the next worker or the supervisor do it; kvmem *attaches* to it by name.
+Both pre-fault every page at once, because the first pass of copies into a freshly mapped
+pool runs ~4x slower than later ones (DESIGN §5), and a latency-bound rotation must not
+pay that on a request.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import mmap
 import os
@@ -15,6 +18,7 @@ import secrets
 import stat
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
+from pathlib import Path
 
 import torch
 
@@ -119,3 +123,80 @@ def _owner_only(name: str) -> None:
     mode = stat.S_IMODE(os.stat(path).st_mode)
     if mode & 0o077:
         os.chmod(path, 0o600)
+
+
+class SegmentRecord:
+    """`<run_dir>/<service>.shm`: the segments a process created, and its pid.
+
+    A process killed with SIGKILL cannot unlink its segments, and /dev/shm keeps them
+    until reboot. The record lets whoever comes next — the restarted service, or the
+    supervisor that saw it die — unlink them, and never a live process's segments.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def _read(self) -> tuple[int | None, list[str]]:
+        try:
+            data = json.loads(self.path.read_text())
+            return int(data["pid"]), [str(n) for n in data["segments"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None, []
+
+    def _write(self, names: list[str]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".shm.tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), "segments": names}))
+        tmp.replace(self.path)  # atomic: a reader never sees half a record
+
+    def add(self, name: str) -> None:
+        pid, names = self._read()
+        self._write([*(names if pid == os.getpid() else []), name])
+
+    def remove(self, name: str) -> None:
+        pid, names = self._read()
+        if pid != os.getpid():
+            return
+        rest = [n for n in names if n != name]
+        if rest:
+            self._write(rest)
+        else:
+            self.path.unlink(missing_ok=True)
+
+    def reap(self, dead_pid: int | None = None) -> list[str]:
+        """Unlink the segments of a recorded process that is gone; return their names.
+
+        `dead_pid`: only if the record is that process's (the supervisor knows which
+        child died); otherwise whenever the recorded process is no longer alive.
+        """
+        pid, names = self._read()
+        if pid is None or pid == os.getpid():
+            return []
+        if (dead_pid is not None and pid != dead_pid) or _alive(pid):
+            return []
+        removed = []
+        for name in names:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+            except FileNotFoundError:
+                pass  # already gone (Python's resource tracker may have beaten us to it)
+            except OSError:
+                continue
+        self.path.unlink(missing_ok=True)
+        return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (dead, not yet reaped by its parent) still answers signal 0.
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True

@@ -1,9 +1,14 @@
-"""Starting, watching and stopping the service processes of `superinfer serve`.
+"""Starting, watching, restarting and stopping the service processes of `superinfer serve`.
 
-One `Supervisor` owns the child processes: it starts them in dependency order, waits
-until each says it is ready (gRPC health SERVING, or HTTP 200), and stops them in
-reverse order (SIGTERM, then SIGKILL after a timeout). Restart-with-backoff will hook
-in at `wait()`, which already reports the child that died.
+One `Supervisor` owns the child processes. It starts them in dependency order and waits
+until each says it is ready (gRPC health SERVING, or HTTP 200). `wait()` watches them:
+with a `RestartPolicy` it restarts a child that dies, after an exponential backoff, and
+gives up once a child died too often within a window; every step is a JSON log line. The
+other services reconnect by themselves (DESIGN §6). A child killed with SIGKILL leaves
+its pid file and, for the worker, its shared-memory segment behind: the supervisor
+removes both. `stop_all()` stops the children in stages, SIGTERM then SIGKILL after a
+timeout; children of one stage stop together, so that the scheduler's drain can still
+end the gateway's streams with a clear error.
 """
 
 from __future__ import annotations
@@ -22,12 +27,16 @@ from typing import IO
 
 import grpc
 import httpx
+import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from superinfer.daemon import CHANNEL_OPTIONS
+from superinfer.shm import SegmentRecord
 
 Probe = Callable[[], bool]
 SUPERVISOR_ENV = "SUPERINFER_SUPERVISOR_PID"
+
+log = structlog.get_logger()
 
 
 def grpc_probe(addr: str) -> tuple[Probe, Callable[[], None]]:
@@ -61,6 +70,30 @@ class ServiceSpec:
     argv: list[str]
     probe: tuple[Probe, Callable[[], None]]
     pid_file: Path | None = None  # removed here if the child could not remove it itself
+    # stop_all() stops higher stages first, a stage's children together; default: its
+    # position in start order (the last started stops first).
+    stop_stage: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    """Restart a dead child after backoff_s, doubling up to max_backoff_s; give up when it
+    died more than max_restarts times within window_s."""
+
+    backoff_s: float = 0.5
+    max_backoff_s: float = 10.0
+    max_restarts: int = 5
+    window_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
+            raise ValueError("restart backoff must be >= 0 and at most its maximum")
+        if self.max_restarts < 0 or self.window_s <= 0:
+            raise ValueError("max_restarts must be >= 0 and window_s positive")
+
+    def delay(self, deaths: int) -> float:
+        """Backoff before the restart that follows the `deaths`-th death in the window."""
+        return min(self.max_backoff_s, self.backoff_s * 2.0 ** max(0, deaths - 1))
 
 
 class ServiceFailed(RuntimeError):
@@ -77,6 +110,21 @@ class _Child:
     proc: subprocess.Popen[bytes]
     out: IO[bytes]
     out_path: Path
+    state: str = "up"  # "up", "backoff" (dead, restart due at `due`), "starting"
+    due: float = 0.0  # backoff: when to restart; starting: readiness deadline
+    started: float = field(default_factory=time.monotonic)
+    deaths: list[float] = field(default_factory=list)  # monotonic times, within the window
+    restarts: int = 0
+
+
+def exit_reason(code: int | None) -> str:
+    if code is None:
+        return "running"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+        return f"killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 @dataclass
@@ -85,6 +133,13 @@ class Supervisor:
     stop_timeout_s: float = 10.0
     children: list[_Child] = field(default_factory=list)
 
+    def _spawn(self, spec: ServiceSpec, out: IO[bytes]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            spec.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C reaches only us; we stop children in order
+            env={**os.environ, SUPERVISOR_ENV: str(os.getpid())},
+        )
+
     def start(self, spec: ServiceSpec, timeout_s: float) -> None:
         """Start one service and wait until it is ready; ServiceFailed if it is not."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -92,18 +147,14 @@ class Supervisor:
         # was set up) goes to <name>.out; its JSON log proper is <name>.log.
         out_path = self.run_dir / f"{spec.name}.out"
         out = open(out_path, "ab")  # noqa: SIM115 - closed in stop_all
-        proc = subprocess.Popen(
-            spec.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,  # Ctrl-C reaches only us; we stop children in order
-            env={**os.environ, SUPERVISOR_ENV: str(os.getpid())},
-        )
+        proc = self._spawn(spec, out)
         child = _Child(spec, proc, out, out_path)
         self.children.append(child)
         probe, _ = spec.probe
         deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
-                raise ServiceFailed(spec.name, f"exited with code {proc.returncode} while starting",
+                raise ServiceFailed(spec.name, f"{exit_reason(proc.returncode)} while starting",
                                     self.tail(child))
             if probe():
                 return
@@ -112,31 +163,98 @@ class Supervisor:
                                     self.tail(child))
             time.sleep(0.2)
 
-    def wait(self, poll_s: float = 0.5) -> ServiceFailed:
-        """Block until a child exits; return which one (a restart policy would go here)."""
+    def wait(
+        self, poll_s: float = 0.5, restart: RestartPolicy | None = None,
+        startup_timeout_s: float = 300.0,
+    ) -> ServiceFailed:
+        """Watch the children until one fails for good, and return which one.
+
+        Without a restart policy the first death is final; with one, a dead child is
+        restarted after its backoff and is final only past the policy's limit.
+        """
         while True:
             for child in self.children:
-                if child.proc.poll() is not None:
-                    return ServiceFailed(child.spec.name,
-                                         f"exited with code {child.proc.returncode}",
-                                         self.tail(child))
+                failed = self._watch(child, restart, startup_timeout_s)
+                if failed is not None:
+                    return failed
             time.sleep(poll_s)
 
+    def _watch(
+        self, child: _Child, policy: RestartPolicy | None, startup_timeout_s: float
+    ) -> ServiceFailed | None:
+        name, now = child.spec.name, time.monotonic()
+        if child.state == "backoff":
+            if now >= child.due:
+                child.proc = self._spawn(child.spec, child.out)
+                child.state, child.due, child.started = "starting", now + startup_timeout_s, now
+                child.restarts += 1
+                log.info("service_restarting", service=name, pid=child.proc.pid,
+                         restart=child.restarts)
+            return None
+        code = child.proc.poll()
+        if code is None:
+            if child.state == "starting":
+                if child.spec.probe[0]():
+                    child.state = "up"
+                    log.info("service_restarted", service=name, pid=child.proc.pid,
+                             ready_s=round(now - child.started, 2), restart=child.restarts)
+                elif now > child.due:
+                    log.error("service_not_ready", service=name, pid=child.proc.pid,
+                              timeout_s=startup_timeout_s)
+                    child.proc.kill()  # counted as a death on the next look
+            return None
+        why = exit_reason(code)
+        self._cleanup_after(child)
+        if policy is None:
+            return ServiceFailed(name, why, self.tail(child))
+        child.deaths = [t for t in child.deaths if now - t < policy.window_s] + [now]
+        if len(child.deaths) > policy.max_restarts:
+            log.error("service_gave_up", service=name, pid=child.proc.pid, reason=why,
+                      deaths=len(child.deaths), window_s=policy.window_s)
+            return ServiceFailed(
+                name, f"{why}; it died {len(child.deaths)} times within "
+                f"{policy.window_s:.0f} s (--max-restarts {policy.max_restarts}), giving up",
+                self.tail(child))
+        delay = policy.delay(len(child.deaths))
+        log.warning("service_exited", service=name, pid=child.proc.pid, reason=why,
+                    state=child.state, restart_in_s=round(delay, 2),
+                    deaths_in_window=len(child.deaths))
+        child.state, child.due = "backoff", now + delay
+        return None
+
+    def _cleanup_after(self, child: _Child) -> None:
+        """What a child killed by a signal could not remove: pid file, shared memory."""
+        pid = child.proc.pid
+        if child.spec.pid_file is not None:
+            _remove_stale_pid(child.spec.pid_file, pid)
+        reaped = SegmentRecord(self.run_dir / f"{child.spec.name}.shm").reap(dead_pid=pid)
+        if reaped:
+            log.info("shm_reaped", service=child.spec.name, pid=pid, segments=reaped)
+
     def stop_all(self) -> None:
-        """Stop children in reverse start order: SIGTERM, wait, SIGKILL."""
-        for child in reversed(self.children):
-            proc = child.proc
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        """Stop the children, stage by stage: SIGTERM, wait, SIGKILL."""
+        stages: dict[int, list[_Child]] = {}
+        for i, child in enumerate(self.children):
+            stage = child.spec.stop_stage if child.spec.stop_stage is not None else i
+            stages.setdefault(stage, []).append(child)
+        for stage in sorted(stages, reverse=True):
+            group = stages[stage]
+            for child in group:
+                if child.proc.poll() is None:
+                    child.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.stop_timeout_s
+            for child in group:
+                proc = child.proc
                 try:
-                    proc.wait(self.stop_timeout_s)
+                    proc.wait(max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
+                    log.warning("service_killed", service=child.spec.name, pid=proc.pid,
+                                why=f"still running {self.stop_timeout_s:.0f} s after SIGTERM")
                     proc.kill()
                     proc.wait()
-            child.out.close()
-            child.spec.probe[1]()
-            if child.spec.pid_file is not None:
-                _remove_stale_pid(child.spec.pid_file, proc.pid)
+                child.out.close()
+                child.spec.probe[1]()
+                self._cleanup_after(child)
         self.children.clear()
 
     def tail(self, child: _Child, lines: int = 20) -> str:

@@ -317,6 +317,55 @@ def test_api_key_guards_v1_only(tmp_path: Path) -> None:
     _run(tmp_path, body, api_key="sekrit", served_model_name="served-name")
 
 
+def test_in_flight_and_body_size_are_bounded(tmp_path: Path) -> None:
+    """Slots are taken before the body is read, so slow uploads count; chunked bodies too."""
+    async def body(c: httpx.AsyncClient, stub: ScriptedScheduler) -> None:
+        go = asyncio.Event()
+
+        async def slow_body() -> AsyncIterator[bytes]:
+            await go.wait()
+            yield json.dumps({"prompt": "held", "max_tokens": 2}).encode()
+
+        held = [asyncio.create_task(c.post("/v1/completions", content=slow_body(),
+                                           headers={"content-type": "application/json"}))
+                for _ in range(2)]
+        await asyncio.sleep(0.2)
+        for path, req in (("/v1/completions", {"prompt": "x"}), ("/v1/models", None)):
+            r = await (c.post(path, json=req) if req else c.get(path))
+            assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+            assert _error(r)["code"] == "overloaded" and "--max-in-flight" in _error(r)["message"]
+        assert (await c.get("/health")).status_code == 200  # probes are not counted
+        go.set()
+        assert [(await t).status_code for t in held] == [200, 200]
+        assert (await c.post("/v1/completions", json={"prompt": "x"})).status_code == 200
+
+        async def chunked(n: int, size: int) -> AsyncIterator[bytes]:
+            yield b'{"prompt": "'
+            for _ in range(n):
+                yield b"y" * size
+            yield b'"}'
+
+        json_type = {"content-type": "application/json"}
+        r = await c.post("/v1/completions", content=chunked(20, 100), headers=json_type)
+        assert r.status_code == 413 and _error(r)["code"] == "body_too_large"  # no Content-Length
+        assert "--max-body-bytes" in _error(r)["message"]
+        r = await c.post("/v1/completions", json={"prompt": "z" * 2000})
+        assert r.status_code == 413
+        r = await c.post("/v1/completions", content=chunked(3, 5), headers=json_type)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "y" * 15
+        r = await c.post("/v1/completions", json={"prompt": "x", "stop": ["s" * 257]})
+        assert r.status_code == 400 and _error(r)["param"] == "stop"
+        assert app_in_flight(c) == 0
+
+    _run(tmp_path, body, max_in_flight=2, max_body_bytes=1000)
+
+
+def app_in_flight(c: httpx.AsyncClient) -> int:
+    transport = c._transport
+    assert isinstance(transport, httpx.ASGITransport)
+    return int(transport.app.state.ctx.in_flight.count)  # type: ignore[attr-defined]
+
+
 def test_metrics_mirror_scheduler_stats(tmp_path: Path) -> None:
     async def body(c: httpx.AsyncClient, stub: ScriptedScheduler) -> None:
         await c.post("/v1/completions", json={"prompt": "hello"})
@@ -360,6 +409,13 @@ def test_grpc_status_mapping() -> None:
         e = from_grpc(err(code))
         assert e.status == status and e.headers.get("Retry-After") == retry
         assert "d" in e.message
+    # The scheduler's retry pushback (ms) becomes whole seconds, and goes on to gRPC clients.
+    pushback = grpc.aio.Metadata(("grpc-retry-pushback-ms", "2500"))
+    e = from_grpc(grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(),
+                                       pushback, details="full"))
+    assert e.headers["Retry-After"] == "3"
+    assert e.grpc_code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert e.grpc_trailers == (("grpc-retry-pushback-ms", "3000"),)
 
 
 def test_validation_error_paths() -> None:

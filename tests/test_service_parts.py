@@ -187,12 +187,23 @@ def test_transfer_plans_pack_source_first() -> None:
 
 # -- the iteration loop, against the KV-checking fakes ----------------------------------------------
 class FakeWorker:
-    """CheckingExecutor behind the RemoteWorker interface; can be told to fail."""
+    """CheckingExecutor behind the RemoteWorker interface; can be told to fail, or to
+    restart: a new pool id and every device block overwritten (the old KV is gone)."""
 
     def __init__(self, store: KVStore) -> None:
         self.truth: dict[str, list[int]] = {}
+        self.store = store
         self.inner = CheckingExecutor(store, self.truth)
         self.fail_next = False
+        self.pool_id = "pool-1"
+
+    def restart(self) -> None:
+        self.pool_id = "pool-2"
+        for block in self.store.device:
+            block[:] = [-7] * len(block)
+
+    async def wait_serving(self, timeout_s: float) -> None:
+        await asyncio.sleep(0)
 
     async def execute(self, iteration: int, chunks: list[ScheduledChunk],
                       pool_id: str) -> ExecuteResult:
@@ -200,26 +211,43 @@ class FakeWorker:
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("worker exploded")
+        if pool_id != self.pool_id:  # as the real worker: FAILED_PRECONDITION
+            raise RuntimeError(f"batch for pool {pool_id}, this worker's is {self.pool_id}")
         result = self.inner.execute(chunks)
         for rid, tok in result.sampled.items():
             self.truth[rid].append(tok)
         return result
 
     async def kv_pool(self) -> worker_pb2.KVPoolHandle:
-        return worker_pb2.KVPoolHandle(pool_id="pool-2", shape=[16, 1, 2, 4, 1, 1])
+        return worker_pb2.KVPoolHandle(pool_id=self.pool_id, shape=[16, 1, 2, 4, 1, 1])
 
 
 class FakeKVMem:
     def __init__(self, store: KVStore) -> None:
         self.store = store
+        self.host_pool_id = ""
+        self.attached = True
+
+    def restart(self) -> None:
+        """A new process: a new, empty host pool, attached to nothing yet."""
+        self.host_pool_id, self.attached = "host-2", False
+        for block in self.store.host:
+            block[:] = [-7] * len(block)
+
+    async def wait_serving(self, timeout_s: float) -> None:
+        await asyncio.sleep(0)
 
     async def transfer(self, plan: TransferPlan, pool_id: str) -> kvmem_pb2.TransferReply:
         await asyncio.sleep(0)
+        if not self.attached:  # as the real kvmem: FAILED_PRECONDITION
+            raise RuntimeError("no pool attached")
         self.store.transfer(plan)
         return kvmem_pb2.TransferReply(fence=plan.fence)
 
     async def attach(self, handle: worker_pb2.KVPoolHandle) -> kvmem_pb2.AttachReply:
-        return kvmem_pb2.AttachReply(host_blocks=64, pool_id=handle.pool_id)
+        self.attached = True
+        return kvmem_pb2.AttachReply(host_blocks=64, pool_id=handle.pool_id,
+                                     host_pool_id=self.host_pool_id)
 
 
 def _loop(device_blocks: int = 16) -> tuple[ServingLoop, FakeWorker]:
@@ -297,20 +325,89 @@ def test_loop_abort_stop_and_dropped_streams_end_cleanly() -> None:
 
 
 def test_loop_fails_in_flight_requests_on_a_peer_error_and_recovers() -> None:
+    """A batch fails with the same pools (say, a deadline): the iteration is re-run."""
     async def body() -> None:
         loop, worker = _loop()
         task = asyncio.create_task(loop.run())
-        q = _submit(loop, worker, "a", [1, 2, 3], 1000)
-        await q.get()
+        q = _submit(loop, worker, "a", [1, 2, 3], 40)
+        first = await q.get()
         worker.fail_next = True
+        events = [first, *await asyncio.wait_for(_drain(q), 10)]
+        assert [t for ev in events for t in ev.token_ids] == _expected([1, 2, 3], 40)
+        assert events[-1].finish_reason == "length"
+        assert loop.stats.backend_errors == 1 and loop.stats.recoveries == 1
+        assert loop.stats.device_losses == 0 and loop.pool_id == "pool-1"
+        assert loop.scheduler.bm.num_free_device == 16
+        task.cancel()
+
+    run(body)
+
+
+def test_loop_resumes_every_request_after_a_worker_and_a_kvmem_restart() -> None:
+    async def body() -> None:
+        loop, worker = _loop(device_blocks=16)
+        kvmem: FakeKVMem = loop.kvmem  # type: ignore[assignment]
+        task = asyncio.create_task(loop.run())
+        prompts = [[i, i + 1, i + 2, 3 * i] for i in range(8)]
+        queues = [_submit(loop, worker, f"r{i}", p, 30) for i, p in enumerate(prompts)]
+        got: list[list[int]] = [[] for _ in prompts]
+
+        async def collect(i: int) -> None:
+            while True:
+                ev = await queues[i].get()
+                assert ev.error is None
+                got[i] += ev.token_ids
+                if ev.finish_reason:
+                    return
+
+        collectors = asyncio.gather(*(collect(i) for i in range(8)))
+
+        async def until_all_have(n: int) -> None:
+            while min(map(len, got)) < n:
+                if collectors.done():
+                    collectors.result()  # raises what went wrong
+                await asyncio.sleep(0)
+
+        await asyncio.wait_for(until_all_have(8), 30)
+        worker.restart()  # its pool is gone: every request resumes from host copies
+        await asyncio.wait_for(until_all_have(16), 30)
+        kvmem.restart()  # every host copy is gone: rotary requests recompute
+        await asyncio.wait_for(collectors, 60)
+        assert got == [_expected(p, 30) for p in prompts]
+        st = loop.stats
+        assert (st.device_losses, st.host_losses, st.recoveries) == (1, 1, 2)
+        assert st.resumed_swap_in > 0  # eager host copies saved recomputing
+        s = loop.scheduler
+        assert s.bm.num_free_device == 16 and s.bm.num_free_host == 64
+        assert loop.pool_id == "pool-2" and loop.host_pool_id == "host-2"
+        task.cancel()
+
+    run(body)
+
+
+def test_loop_gives_up_on_a_batch_that_always_fails_and_drains_on_shutdown() -> None:
+    async def body() -> None:
+        loop, worker = _loop()
+        task = asyncio.create_task(loop.run())
+
+        async def always_fail(*args: object) -> ExecuteResult:
+            raise RuntimeError("bad batch")
+
+        good = worker.execute
+        worker.execute = always_fail  # type: ignore[method-assign,assignment]
+        q = _submit(loop, worker, "a", [1, 2, 3], 5)
+        [ev] = await asyncio.wait_for(_drain(q), 10)
+        assert ev.finish_reason == "error" and ev.error is not None
+        assert "failed 5 times in a row" in ev.error and "bad batch" in ev.error
+        assert loop.scheduler.bm.num_free_device == 16
+        worker.execute = good  # type: ignore[method-assign]
+        q = _submit(loop, worker, "b", [1, 2, 3], 10_000)
+        await q.get()
+        await loop.drain(0.0)
         events = await asyncio.wait_for(_drain(q), 10)
-        assert events[-1].finish_reason == "error"
-        assert loop.scheduler.bm.num_free_device == 16 and loop.stats.backend_errors == 1
-        # The next request is served, after the loop re-read the worker's pool.
-        q2 = _submit(loop, worker, "b", [1, 2, 3], 3)
-        events = await asyncio.wait_for(_drain(q2), 10)
-        assert [t for ev in events for t in ev.token_ids] == _expected([1, 2, 3], 3)
-        assert loop.pool_id == "pool-2"
+        assert events[-1].error is not None and "shutting down" in events[-1].error
+        assert loop.draining and not loop.scheduler.has_unfinished()
+        assert loop.scheduler.bm.num_free_device == 16
         task.cancel()
 
     run(body)

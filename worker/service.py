@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import structlog
@@ -22,6 +23,7 @@ from superinfer.config import EngineConfig
 from superinfer.daemon import Daemon, run_daemon
 from superinfer.engine import DTYPES
 from superinfer.modelfile import resolve_model
+from superinfer.shm import SegmentRecord
 from worker.kv_pool import DevicePool
 from worker.loader import load_weights
 from worker.model import LlamaModel
@@ -42,9 +44,12 @@ class Loaded:
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, run_dir: Path | None = None) -> None:
         self.config = config
         self.loaded: Loaded | None = None
+        # Our pool's segment name, so that a worker killed with SIGKILL leaves no segment
+        # behind: the next one (or the supervisor) unlinks it (superinfer/shm.py).
+        self.segments = SegmentRecord(run_dir / "worker.shm") if run_dir else None
         self._lock = asyncio.Lock()  # one batch at a time: batches write the shared pool
 
     async def load(self) -> None:
@@ -57,6 +62,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         shape = KVShape(num_blocks, mcfg.num_layers, cfg.block_size, mcfg.num_kv_heads,
                         mcfg.head_dim)
         model = LlamaModel(mcfg, weights)
+        if self.segments is not None:
+            reaped = self.segments.reap()
+            if reaped:
+                log.warning("reaped_shm", segments=reaped,
+                            why="left in /dev/shm by a worker that was killed")
         # Nothing may fail between making the pool and recording it (stop() unlinks it).
         # A stop during the load above cancels this coroutine there: no pool is made.
         pool = DevicePool.create(shape.shape, dtype, POOL_DEVICE)
@@ -75,6 +85,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         )
         self.loaded = Loaded(runner, pool, info)
         handle = pool.handle()
+        if self.segments is not None and handle.shm_name:
+            self.segments.add(handle.shm_name)
         log.info("loaded", model=source.name, device_blocks=num_blocks,
                  pool_gib=round(handle.nbytes / 2**30, 3), pool_id=pool.pool_id,
                  pool=handle.shm_name or handle.kind, load_s=round(time.perf_counter() - t0, 2))
@@ -83,7 +95,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         loaded, self.loaded = self.loaded, None
         if loaded is not None:
             loaded.runner.kv = torch.empty(0)  # drop the last view before unmapping
+            name = loaded.pool.handle().shm_name
             loaded.pool.close()
+            if self.segments is not None and name:
+                self.segments.remove(name)
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> Loaded:
         loaded = self.loaded
@@ -118,7 +133,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def GetKVPool(
         self, request: worker_pb2.KVPoolRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.KVPoolHandle:
-        return (await self._ready(context)).pool.handle()
+        loaded = await self._ready(context)
+        # After the lock: a scheduler recovering from a failed batch (say, past its
+        # deadline) learns the pool only once that batch stopped writing to it.
+        async with self._lock:
+            return loaded.pool.handle()
 
     async def GetModelInfo(
         self, request: scheduler_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext
@@ -148,7 +167,7 @@ class WorkerDaemon(Daemon):
 
     def __init__(self, args: argparse.Namespace) -> None:
         torch.set_grad_enabled(False)
-        self.service = WorkerService(EngineConfig.from_args(args))
+        self.service = WorkerService(EngineConfig.from_args(args), Path(args.run_dir))
 
     def register(self, server: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_WorkerServicer_to_server(self.service, server)

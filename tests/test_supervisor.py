@@ -1,0 +1,124 @@
+"""The supervisor's restart policy and the shared-memory reaper, with small real processes.
+
+(`tests/test_recovery.py` kills the real services under `superinfer serve`.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import structlog
+
+from superinfer.daemon import pid_alive
+from superinfer.shm import SegmentRecord
+from superinfer.supervisor import RestartPolicy, ServiceSpec, Supervisor, exit_reason
+
+ALWAYS_READY = (lambda: True, lambda: None)
+
+
+def _spec(name: str, code: str, run_dir: Path) -> ServiceSpec:
+    return ServiceSpec(name, [sys.executable, "-c", code], ALWAYS_READY, run_dir / f"{name}.pid")
+
+
+def test_backoff_doubles_up_to_its_cap() -> None:
+    p = RestartPolicy(backoff_s=0.5, max_backoff_s=3.0)
+    assert [p.delay(n) for n in range(1, 6)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+    with pytest.raises(ValueError):
+        RestartPolicy(max_restarts=-1)
+
+
+def test_a_dying_service_is_restarted_then_given_up(tmp_path: Path) -> None:
+    # Dies 0.3 s after each start: restarted twice, then the third death is final.
+    sup = Supervisor(tmp_path)
+    sup.start(_spec("flaky", "import time, sys; time.sleep(0.3); sys.exit(3)", tmp_path), 10)
+    first = sup.children[0].proc.pid
+    with structlog.testing.capture_logs() as logs:
+        failed = sup.wait(poll_s=0.02, restart=RestartPolicy(backoff_s=0.05, max_restarts=2))
+    sup.stop_all()
+    assert failed.name == "flaky"
+    assert "exited with code 3" in failed.why and "died 3 times" in failed.why
+    assert "giving up" in failed.why and "--max-restarts 2" in failed.why
+    events = [(e["event"], e.get("service")) for e in logs]
+    assert events.count(("service_exited", "flaky")) == 2
+    assert events.count(("service_restarting", "flaky")) == 2
+    assert events.count(("service_restarted", "flaky")) == 2
+    assert events[-1] == ("service_gave_up", "flaky")
+    delays = [e["restart_in_s"] for e in logs if e["event"] == "service_exited"]
+    assert delays == [0.05, 0.1]  # exponential backoff
+    pids = [e["pid"] for e in logs if e["event"] == "service_restarting"]
+    assert first not in pids and len(set(pids)) == 2
+
+
+def test_without_a_policy_the_first_death_is_final(tmp_path: Path) -> None:
+    sup = Supervisor(tmp_path)
+    sup.start(_spec("sleeper", "import time; time.sleep(60)", tmp_path), 10)
+    pid = sup.children[0].proc.pid
+    (tmp_path / "sleeper.pid").write_text(f"{pid}\n")  # as a daemon would
+    os.kill(pid, signal.SIGKILL)
+    failed = sup.wait(poll_s=0.02)
+    assert failed.why == "killed by SIGKILL"
+    assert not (tmp_path / "sleeper.pid").exists()  # the stale pid file is removed
+    sup.stop_all()
+
+
+def test_stop_all_stops_a_stage_together_and_kills_stragglers(tmp_path: Path) -> None:
+    sup = Supervisor(tmp_path, stop_timeout_s=0.5)
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    for name in ("a", "b"):
+        spec = _spec(name, stubborn, tmp_path)
+        spec.stop_stage = 1
+        sup.start(spec, 10)
+    time.sleep(0.3)  # let them install their handlers
+    procs = [c.proc for c in sup.children]
+    t0 = time.monotonic()
+    sup.stop_all()
+    # Both got SIGTERM at once and share one timeout, then SIGKILL: ~0.5 s, not ~1 s.
+    assert time.monotonic() - t0 < 0.95
+    assert [p.returncode for p in procs] == [-signal.SIGKILL, -signal.SIGKILL]
+    assert exit_reason(-9) == "killed by SIGKILL" and exit_reason(2) == "exited with code 2"
+
+
+# A process that makes a segment the way the worker does, records it, and waits to be
+# killed. Its resource tracker is told to forget the segment, so that only the reaper
+# can remove it (as when the tracker dies too, e.g. the whole process group is killed).
+_MAKER = """
+import sys, time
+from multiprocessing import resource_tracker
+from pathlib import Path
+from superinfer.shm import SegmentRecord, SharedTensor
+import torch
+t = SharedTensor.create((4, 1024), torch.float32, prefix="si-kv-test")
+resource_tracker.unregister("/" + t.name, "shared_memory")
+SegmentRecord(Path(sys.argv[1])).add(t.name)
+print(t.name, flush=True)
+time.sleep(60)
+"""
+
+
+def test_reaper_unlinks_a_killed_workers_segment_and_spares_a_live_one(tmp_path: Path) -> None:
+    record = tmp_path / "worker.shm"
+    proc = subprocess.Popen([sys.executable, "-c", _MAKER, str(record)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        name = proc.stdout.readline().strip()
+        assert name.startswith("si-kv-test-") and os.path.exists(f"/dev/shm/{name}")
+        assert SegmentRecord(record).reap() == []  # its owner lives: hands off
+        assert SegmentRecord(record).reap(dead_pid=proc.pid) == []
+        proc.kill()
+        proc.wait()
+        assert not pid_alive(proc.pid)
+        assert os.path.exists(f"/dev/shm/{name}")  # kill -9 leaves it behind
+        assert SegmentRecord(record).reap(dead_pid=proc.pid + 1) == []  # someone else's
+        assert SegmentRecord(record).reap(dead_pid=proc.pid) == [name]
+        assert not os.path.exists(f"/dev/shm/{name}") and not record.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
