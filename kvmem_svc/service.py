@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import uuid
 
 import grpc
 import structlog
@@ -18,6 +19,7 @@ import structlog
 from kvmem_svc.duplex import DuplexEngine, Mode, TransferConflict, TransferError
 from kvmem_svc.hostmem import HostMemory, allocate_host_pool
 from kvmem_svc.pool import DeviceMapping
+from kvmem_svc.tunables import nt_threshold_in_effect, reexec_with_copy_tunables
 from proto import kvmem_pb2, kvmem_pb2_grpc, worker_pb2
 from scheduler_svc.block_manager import TransferPlan
 from superinfer.config import EngineConfig
@@ -35,6 +37,7 @@ class KVMemService(kvmem_pb2_grpc.KVMemServicer):
         self.device: DeviceMapping | None = None
         self.host: HostMemory | None = None
         self.engine: DuplexEngine | None = None
+        self.host_pool_id = ""  # new with each host pool: a new one means copies are gone
         self._lock = asyncio.Lock()  # one batch at a time: batches are ordered by fences
         self.transfers = 0
         self.blocks_d2h = 0
@@ -52,7 +55,8 @@ class KVMemService(kvmem_pb2_grpc.KVMemServicer):
             except (ValueError, OSError, RuntimeError, MemoryError) as e:
                 log.error("attach_failed", pool_id=request.pool_id, error=str(e))
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot map pool: {e}")
-        return kvmem_pb2.AttachReply(host_blocks=host.num_blocks, pool_id=request.pool_id)
+        return kvmem_pb2.AttachReply(host_blocks=host.num_blocks, pool_id=request.pool_id,
+                                     host_pool_id=self.host_pool_id)
 
     async def Transfer(
         self, request: kvmem_pb2.TransferRequest, context: grpc.aio.ServicerContext
@@ -138,6 +142,7 @@ class KVMemService(kvmem_pb2_grpc.KVMemServicer):
             self.host = allocate_host_pool(
                 new.block_shape, new.dtype, num_blocks=n, numa_node=self._numa,
                 device=handle.device_index if new.kind == "cuda_ipc" else None)
+            self.host_pool_id = uuid.uuid4().hex
             log.info("host_pool", host_blocks=n, block_bytes=bb, detail=self.host.description)
         # Not strict: a swap-in that overwrites a block this batch copies out runs after
         # that copy (counted in ordered_batches) instead of failing the batch.
@@ -200,6 +205,8 @@ class KVMemDaemon(Daemon):
         kvmem_pb2_grpc.add_KVMemServicer_to_server(self.service, server)
 
     async def start(self) -> None:
+        # The copy path's glibc setting (kvmem_svc/tunables.py), so a log says what ran.
+        log.info("copy_tunables", nt_threshold=nt_threshold_in_effect() or "glibc default")
         log.info("waiting_for_attach")  # the host pool is sized at the first AttachPool
 
     async def stop(self) -> None:
@@ -207,4 +214,5 @@ class KVMemDaemon(Daemon):
 
 
 def main(args: argparse.Namespace) -> int:
+    reexec_with_copy_tunables()  # no-op when `superinfer kvmem` already did it before torch
     return run_daemon(KVMemDaemon(args), args)

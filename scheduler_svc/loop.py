@@ -5,6 +5,14 @@ the iteration's block copies (and the fence is released only after they are done
 then the worker runs the batch. Each live request has an asyncio.Queue that its
 `Generate` stream drains; everything here runs on the event loop's thread, so scheduler
 state needs no lock — handlers and the loop take turns at `await` points.
+
+When an iteration fails (a peer died, restarted, or missed its deadline) no request is
+lost (DESIGN §6): the loop waits for both peers to serve again, re-attaches kvmem to the
+worker's pool, asks each for the identity of its pool, and tells the scheduler core what
+was lost — the device pool (new worker), the host pool (new kvmem), or only the failed
+batch's copies. Requests then resume by swap-in of their host copies or by recompute;
+their streams just see a pause. Iterations are idempotent (a chunk writes the same KV at
+the same positions, and sampling is seeded per step), so re-running one is safe.
 """
 
 from __future__ import annotations
@@ -16,14 +24,18 @@ from dataclasses import dataclass, field, fields
 import grpc
 import structlog
 
+from scheduler_svc.block_manager import TransferPlan
 from scheduler_svc.interfaces import ExecuteResult
 from scheduler_svc.remote import RemoteKVMem, RemoteWorker
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import RequestEvent, Scheduler
+from superinfer.trace import Trace
 
 log = structlog.get_logger()
 
 IDLE_POLL_S = 0.002  # an iteration that scheduled nothing (all blocked) waits this long
+RETRY_S = 0.2  # after a failed iteration, before looking at the peers again
+MAX_FAILED_ATTEMPTS = 5  # failed iterations in a row with healthy peers: a bug, not an outage
 
 
 class BackendMismatch(RuntimeError):
@@ -38,12 +50,14 @@ class StreamEvent:
     output_tokens: int
     finish_reason: str | None = None
     summary: dict[str, object] | None = None
+    error: str | None = None  # the request could not be served: why, and what to do
 
 
 @dataclass(slots=True)
 class LoopStats:
     transfers: int = 0
     transfer_s: float = 0.0  # wall time of Transfer calls, RPC included
+    transfer_wait_max_s: float = 0.0  # the longest one iteration waited on its transfers
     kvmem_d2h_s: float = 0.0
     kvmem_h2d_s: float = 0.0
     bytes_d2h: int = 0
@@ -51,7 +65,13 @@ class LoopStats:
     executes: int = 0
     execute_s: float = 0.0  # worker-side compute time
     execute_rpc_s: float = 0.0  # wall time of Execute calls, RPC included
-    backend_errors: int = 0
+    backend_errors: int = 0  # failed iterations
+    recoveries: int = 0  # outages recovered from without failing a request
+    device_losses: int = 0  # the worker came back with a new device pool
+    host_losses: int = 0  # kvmem came back with a new host pool
+    resumed_swap_in: int = 0  # requests resumed from host copies after a loss
+    resumed_recompute: int = 0  # requests that recompute all their tokens after a loss
+    last_outage_s: float = 0.0  # failed iteration -> peers back and state repaired
     started: float = field(default_factory=time.monotonic)
 
     def as_dict(self) -> dict[str, float]:
@@ -60,18 +80,42 @@ class LoopStats:
         return d
 
 
+@dataclass(slots=True)
+class _Outage:
+    since: float  # monotonic time of the first failed iteration
+    failed_plan: TransferPlan | None  # a transfer batch whose copies may not have happened
+    # Batches that read the device pool after the last batch the worker computed: if the
+    # worker turns out to have restarted, they may have copied a dead pool to the host.
+    unconfirmed: list[TransferPlan]
+    error: str
+
+
 class ServingLoop:
     def __init__(
-        self, scheduler: Scheduler, worker: RemoteWorker, kvmem: RemoteKVMem, pool_id: str
+        self,
+        scheduler: Scheduler,
+        worker: RemoteWorker,
+        kvmem: RemoteKVMem,
+        pool_id: str,
+        host_pool_id: str = "",
+        peer_timeout_s: float = 300.0,
+        trace: Trace | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.worker = worker
         self.kvmem = kvmem
         self.pool_id = pool_id
+        self.host_pool_id = host_pool_id
+        self.peer_timeout_s = peer_timeout_s  # how long a peer may take to come back
         self.stats = LoopStats()
+        self.trace = trace  # --trace: the iteration timeline (superinfer/trace.py)
         self.streams: dict[str, asyncio.Queue[StreamEvent]] = {}
+        self.draining = False  # shutting down: no new requests
         self._work = asyncio.Event()
-        self._stale = False  # a peer failed: re-read its pool before the next iteration
+        self._outage: _Outage | None = None  # an iteration failed: recover before the next
+        self._in_flight: TransferPlan | None = None  # the batch kvmem is copying
+        self._unconfirmed: list[TransferPlan] = []  # see _Outage.unconfirmed
+        self._attempts = 0  # failed iterations since the last one that succeeded
 
     # -- requests in and out (called by the gRPC handlers) ---------------------------------
     def knows(self, request_id: str) -> bool:
@@ -105,52 +149,95 @@ class ServingLoop:
     async def run(self) -> None:
         while True:
             if not self.scheduler.has_unfinished():
+                self._outage = None  # nothing left to resume (all finished or aborted)
+                if self.trace is not None:
+                    self.trace.flush()  # idle: let the timeline so far reach the file
                 self._work.clear()
                 await self._work.wait()
                 continue
             try:
-                if self._stale:
-                    await self._reattach()
+                if self._outage is not None:
+                    await self._recover(self._outage)
                 busy = await self.step()
-            except Exception as e:  # the loop must outlive any one failed iteration
-                self._fail_all(e)
-                await asyncio.sleep(0.5)  # a peer is restarting; don't hammer it
+            except BackendMismatch as e:
+                self._fail_all(str(e))
                 continue
+            except Exception as e:  # the loop must outlive any failed iteration
+                self._on_failure(e)
+                await asyncio.sleep(RETRY_S)
+                continue
+            self._attempts = 0
             if not busy:
                 await asyncio.sleep(IDLE_POLL_S)
+
+    async def drain(self, grace_s: float) -> None:
+        """Shutting down: admit nothing new, let live requests finish for up to `grace_s`,
+        then end the rest with a clear error."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        live = len(self.scheduler.requests)
+        log.info("draining", live_requests=live, grace_s=grace_s)
+        while self.scheduler.has_unfinished() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.scheduler.has_unfinished():
+            self._fail_all(f"the scheduler is shutting down and cancelled this request after "
+                           f"its {grace_s:g} s grace period; retry it")
+        await asyncio.sleep(0)  # let the streams take their last events
 
     async def step(self) -> bool:
         """One iteration; False when it had nothing to do (every request blocked)."""
         sched = self.scheduler
+        start = sched.clock()
         out = sched.schedule()
         plan = out.transfers
         t_xfer = 0.0
+        reply = None
         if plan is not None:
+            t_xfer_start = sched.clock()
             t0 = time.perf_counter()
+            self._in_flight = plan
             try:
                 reply = await self.kvmem.transfer(plan, self.pool_id)
             finally:
-                # Released even on failure: every request is failed then, and the blocks
-                # the fence holds must return to the pool with them.
+                # Released even on failure: nothing copies any more (a peer is gone, or
+                # refused the batch), and recovery treats the batch's writes as lost.
                 sched.complete_transfer(plan.fence)
+            self._in_flight = None
+            if plan.swap_out or plan.eager:
+                self._unconfirmed.append(plan)
             t_xfer = time.perf_counter() - t0
             st = self.stats
             st.transfers += 1
             st.transfer_s += t_xfer
+            st.transfer_wait_max_s = max(st.transfer_wait_max_s, t_xfer)
             st.kvmem_d2h_s += reply.d2h_s
             st.kvmem_h2d_s += reply.h2d_s
             st.bytes_d2h += reply.bytes_d2h
             st.bytes_h2d += reply.bytes_h2d
         result = ExecuteResult(sampled={})
         t_exec = 0.0
+        t_exec_start = sched.clock()
         if out.chunks:
             t0 = time.perf_counter()
             result = await self.worker.execute(out.iteration, out.chunks, self.pool_id)
+            # The pool (this pool id: this worker process) lived through those copies.
+            self._unconfirmed.clear()
             t_exec = time.perf_counter() - t0
             self.stats.executes += 1
             self.stats.execute_s += result.execute_s
             self.stats.execute_rpc_s += t_exec
         events = sched.update_from_output(out, result)
+        if self.trace is not None:
+            self.trace.iteration(
+                out, start, transfer=(t_xfer_start, t_xfer) if reply is not None else None,
+                d2h_s=reply.d2h_s if reply is not None else 0.0,
+                h2d_s=reply.h2d_s if reply is not None else 0.0,
+                execute=(t_exec_start, t_exec) if out.chunks else None,
+                execute_s=result.execute_s if out.chunks else None,
+                load={"running": len(sched.running), "waiting": len(sched.waiting),
+                      "rotary": len(sched.rotary), "device_blocks_free": sched.bm.num_free_device,
+                      "host_blocks_free": sched.bm.num_free_host},
+            )
         self._publish(events)
         log.debug(
             "iteration", iteration=out.iteration, chunks=len(out.chunks),
@@ -164,7 +251,9 @@ class ServingLoop:
         return bool(out.chunks or plan)
 
     # -- results to streams -------------------------------------------------------------------
-    def _publish(self, events: list[RequestEvent], reason: str | None = None) -> None:
+    def _publish(
+        self, events: list[RequestEvent], reason: str | None = None, error: str | None = None
+    ) -> None:
         """Send new tokens to their streams; every finished request gets its final event.
 
         Requests finished outside `update_from_output` (abort, stop, failure) have no
@@ -181,13 +270,17 @@ class ServingLoop:
             else:
                 self._final(req, ev.new_token_ids, now, reason)
         for req in finished.values():
-            self._final(req, [], now, reason)
+            self._final(req, [], now, reason, error)
 
-    def _final(self, req: Request, tokens: list[int], now: float, reason: str | None) -> None:
+    def _final(self, req: Request, tokens: list[int], now: float, reason: str | None,
+               error: str | None = None) -> None:
         why = reason or (req.finish_reason.value if req.finish_reason else "abort")
         summary = req.summary(now)
+        if self.trace is not None:
+            self.trace.request_done(req, now)
         log.info("finish", finish_reason=why, **summary)
-        self._send(req.request_id, StreamEvent(tokens, req.num_output_tokens, why, summary))
+        self._send(req.request_id,
+                   StreamEvent(tokens, req.num_output_tokens, why, summary, error))
         self.streams.pop(req.request_id, None)
 
     def _send(self, request_id: str, event: StreamEvent) -> None:
@@ -196,27 +289,45 @@ class ServingLoop:
             queue.put_nowait(event)
 
     # -- failures ---------------------------------------------------------------------------
-    def _fail_all(self, error: Exception) -> None:
-        """An iteration failed (a peer, usually): end every live request with a clear error.
-
-        Resuming them from their host copies after a restart (DESIGN §6) is a later
-        step; here no request is left waiting forever and no block leaks.
-        """
+    def _on_failure(self, error: Exception) -> None:
+        """An iteration (or a recovery) failed: start or continue an outage; give up when
+        it lasts too long, or when iterations keep failing while the peers look healthy."""
         self.stats.backend_errors += 1
-        live = list(self.scheduler.requests)
+        if self._outage is None:  # the iteration failed, not a recovery still waiting
+            self._attempts += 1
         if isinstance(error, grpc.aio.AioRpcError):
-            log.error("backend_failed", code=error.code().name, error=error.details(),
-                      failed_requests=len(live))
+            what = f"{error.code().name}: {error.details()}"
         else:
-            log.error("iteration_failed", error=str(error), failed_requests=len(live),
+            what = f"{type(error).__name__}: {error}"
+        plan, self._in_flight = self._in_flight, None
+        outage = self._outage
+        if outage is None:
+            outage = self._outage = _Outage(time.monotonic(), plan, self._unconfirmed, what)
+            self._unconfirmed = []
+            log.warning("iteration_failed", error=what, live_requests=len(self.scheduler.requests),
+                        failed_transfer=plan.fence if plan else None)
+        elif plan is not None:  # cannot happen (a plan fails only in step); be safe
+            outage.failed_plan = plan
+        waited = time.monotonic() - outage.since
+        if waited > self.peer_timeout_s:
+            self._fail_all(f"the worker or kvmem has not been serving for {waited:.0f} s "
+                           f"(last error: {what}); retry later")
+        elif self._attempts >= MAX_FAILED_ATTEMPTS:
+            # The peers answer but every attempt fails: a bug, not a restart. Retrying
+            # forever would hang every stream.
+            log.error("iteration_failed_repeatedly", attempts=self._attempts, error=what,
                       exc_info=error)
-        for rid in live:
-            self.scheduler.abort(rid)
-        self._publish([], reason="error")
-        self._stale = True
+            self._fail_all(f"the engine failed {self._attempts} times in a row ({what})")
 
-    async def _reattach(self) -> None:
-        """After a failure, map the worker's (maybe new) pool into kvmem again."""
+    async def _recover(self, outage: _Outage) -> None:
+        """Wait for both peers, re-attach kvmem to the worker's pool, repair request state.
+
+        Raises (and is retried by `run`) while a peer is still away.
+        """
+        def left() -> float:
+            return max(0.5, outage.since + self.peer_timeout_s - time.monotonic())
+
+        await self.worker.wait_serving(left())
         handle = await self.worker.kv_pool()
         cfg = self.scheduler.config
         if handle.shape[0] != cfg.num_device_blocks or handle.shape[3] != cfg.block_size:
@@ -225,13 +336,60 @@ class ServingLoop:
                 f"tokens; this scheduler was built for {cfg.num_device_blocks} of "
                 f"{cfg.block_size}: restart the scheduler"
             )
+        await self.kvmem.wait_serving(left())
         reply = await self.kvmem.attach(handle)
         if reply.host_blocks != cfg.num_host_blocks:
             raise BackendMismatch(
                 f"kvmem now has {reply.host_blocks} host blocks, this scheduler was built for "
                 f"{cfg.num_host_blocks}: restart the scheduler"
             )
-        if handle.pool_id != self.pool_id:
-            log.warning("worker_pool_changed", old=self.pool_id, new=handle.pool_id)
-        self.pool_id = handle.pool_id
-        self._stale = False
+        device = handle.pool_id != self.pool_id
+        host = reply.host_pool_id != self.host_pool_id
+        suspect = [p for p in [outage.failed_plan] if p is not None]
+        if device:
+            suspect += outage.unconfirmed
+        rec = None
+        if device or host or suspect:
+            rec = self.scheduler.kv_lost(device=device, host=host, failed=_merged(suspect))
+        self.pool_id, self.host_pool_id = handle.pool_id, reply.host_pool_id
+        self._outage = None
+        if device or host:
+            self._attempts = 0  # a peer really restarted: not a failure that repeats
+        st = self.stats
+        st.recoveries += 1
+        st.device_losses += device
+        st.host_losses += host
+        st.last_outage_s = time.monotonic() - outage.since
+        if rec is not None:
+            st.resumed_swap_in += len(rec.swap_in)
+            st.resumed_recompute += len(rec.recompute)
+        log.warning("recovered", outage_s=round(st.last_outage_s, 3), error=outage.error,
+                    device_pool_lost=device, host_pool_lost=host,
+                    failed_transfer=outage.failed_plan.fence if outage.failed_plan else None,
+                    pool_id=self.pool_id, **(rec.as_dict() if rec else {}))
+
+    def _fail_all(self, why: str) -> None:
+        """End every live request with `why` (its stream fails with UNAVAILABLE).
+
+        Only when recovery is impossible: a peer did not come back in time, came back
+        with other pools, or keeps failing; or the scheduler is shutting down.
+        """
+        live = list(self.scheduler.requests)
+        log.error("requests_failed", error=why, failed_requests=len(live))
+        for rid in live:
+            self.scheduler.abort(rid)
+        self._publish([], reason="error", error=why)
+        self._outage = None
+        self._attempts = 0
+
+
+def _merged(plans: list[TransferPlan]) -> TransferPlan | None:
+    """One plan with every copy of `plans` (what kv_lost needs to know), or None."""
+    if not plans:
+        return None
+    return TransferPlan(
+        fence=plans[-1].fence,
+        swap_out=[pair for p in plans for pair in p.swap_out],
+        swap_in=[pair for p in plans for pair in p.swap_in],
+        eager=[pair for p in plans for pair in p.eager],
+    )

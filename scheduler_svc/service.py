@@ -22,22 +22,28 @@ import structlog
 from proto import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.loop import ServingLoop
 from scheduler_svc.policy import make_policy
-from scheduler_svc.remote import RemoteKVMem, RemoteWorker, wait_serving
+from scheduler_svc.remote import RPC_TIMEOUT_S, RemoteKVMem, RemoteWorker, wait_serving
 from scheduler_svc.request import SLO, InvalidSamplingParams, Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler
 from superinfer.config import EngineConfig
 from superinfer.daemon import Daemon, run_daemon
+from superinfer.errors import RETRY_PUSHBACK_KEY
 from superinfer.modelfile import resolve_model
 from superinfer.tokenizer import Tokenizer
+from superinfer.trace import Trace
 
 log = structlog.get_logger()
 
+RETRY_AFTER_S = 1  # what a refused client is told to wait; requests finish in seconds
+
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, config: EngineConfig, worker_addr: str, kvmem_addr: str) -> None:
+    def __init__(self, config: EngineConfig, worker_addr: str, kvmem_addr: str,
+                 rpc_timeout_s: float = RPC_TIMEOUT_S) -> None:
         self.config = config
         self.worker_addr = worker_addr
         self.kvmem_addr = kvmem_addr
+        self.rpc_timeout_s = rpc_timeout_s  # deadline of one Execute / Transfer
         self.worker: RemoteWorker | None = None
         self.kvmem: RemoteKVMem | None = None
         self.loop: ServingLoop | None = None
@@ -48,8 +54,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def start(self, connect_timeout_s: float) -> None:
         """Reach the worker and kvmem, build the scheduler from their pools, start the loop."""
         # Channels belong to the running event loop: made here, not in __init__.
-        self.worker = worker = RemoteWorker(self.worker_addr)
-        self.kvmem = kvmem = RemoteKVMem(self.kvmem_addr)
+        self.worker = worker = RemoteWorker(self.worker_addr, self.rpc_timeout_s)
+        self.kvmem = kvmem = RemoteKVMem(self.kvmem_addr, self.rpc_timeout_s)
         await wait_serving(worker.channel, f"worker at {worker.addr}", connect_timeout_s)
         await wait_serving(kvmem.channel, f"kvmem at {kvmem.addr}", connect_timeout_s)
         info = await worker.model_info()
@@ -70,17 +76,25 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.info.CopyFrom(info)
         self.info.max_model_len = sched_cfg.max_model_len
         self.info.block_size = sched_cfg.block_size
-        self.loop = ServingLoop(scheduler, worker, kvmem, handle.pool_id)
+        # A peer that dies later gets as long to come back as it got to start.
+        trace = Trace(cfg.trace, "superinfer scheduler") if cfg.trace else None
+        self.loop = ServingLoop(scheduler, worker, kvmem, handle.pool_id,
+                                attached.host_pool_id, peer_timeout_s=connect_timeout_s,
+                                trace=trace)
+        kv_stats = await kvmem.stats()
         self._task = asyncio.create_task(self.loop.run(), name="iteration-loop")
         log.info("connected", model=info.name, device_blocks=sched_cfg.num_device_blocks,
                  host_blocks=sched_cfg.num_host_blocks, block_size=sched_cfg.block_size,
                  max_model_len=sched_cfg.max_model_len, policy=cfg.policy,
-                 pool_id=handle.pool_id, eos_token_ids=list(self.eos_token_ids))
+                 pool_id=handle.pool_id, eos_token_ids=list(self.eos_token_ids),
+                 transfer_mode=kv_stats.mode, trace=cfg.trace)
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self.loop is not None and self.loop.trace is not None:
+            self.loop.trace.close()
         for client in (self.worker, self.kvmem):
             if client is not None:
                 await client.close()
@@ -96,9 +110,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.TokenEvent]:
         loop = await self._serving(context)
+        if loop.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
         rid = request.request_id or f"req-{uuid.uuid4().hex}"
         if loop.knows(rid):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is in use")
+        await self._admit(loop, rid, context)
         try:
             queue = loop.submit(self._request(rid, request, loop.scheduler.clock()))
         except (InvalidSamplingParams, ValueError) as e:
@@ -107,6 +124,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         try:
             while True:
                 ev = await queue.get()
+                if ev.error is not None:  # recovery was impossible, or shutdown: say why
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, ev.error)
                 yield scheduler_pb2.TokenEvent(
                     request_id=rid,
                     token_ids=ev.token_ids,
@@ -121,6 +140,26 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             # Normal end: a no-op. Client cancelled (CancelledError lands here): abort now,
             # so the request's blocks return to the pool this very moment.
             loop.drop(rid)
+
+    async def _admit(self, loop: ServingLoop, rid: str, context: grpc.aio.ServicerContext) -> None:
+        """Refuse a request past --max-queued-requests, with a retry hint (RESOURCE_EXHAUSTED).
+
+        Live requests (waiting + running + rotary) are counted, not just waiting ones: each
+        holds its stream, its token lists and a seat in every iteration's policy sort, and
+        running/rotary ones are only bounded by the pools, so this is the one number that
+        bounds the scheduler's memory and per-iteration cost, and a client sees the same
+        limit however fast the engine happens to admit.
+        """
+        limit = self.config.max_queued_requests
+        live = len(loop.scheduler.requests)
+        if limit and live >= limit:
+            log.warning("overloaded", request_id=rid, live=live, limit=limit)
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the scheduler is full: {live} live requests, the limit is {limit} "
+                f"(--max-queued-requests); retry in {RETRY_AFTER_S} s",
+                trailing_metadata=((RETRY_PUSHBACK_KEY, str(RETRY_AFTER_S * 1000)),),
+            )
 
     def _request(self, rid: str, m: scheduler_pb2.GenerateRequest, now: float) -> Request:
         """A scheduler Request from the message, or ValueError saying what is wrong."""
@@ -195,8 +234,9 @@ class SchedulerDaemon(Daemon):
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.connect_timeout_s = args.connect_timeout
+        self.shutdown_grace_s = args.shutdown_grace
         self.service = SchedulerService(
-            EngineConfig.from_args(args), args.worker_addr, args.kvmem_addr
+            EngineConfig.from_args(args), args.worker_addr, args.kvmem_addr, args.batch_timeout
         )
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -204,6 +244,10 @@ class SchedulerDaemon(Daemon):
 
     async def start(self) -> None:
         await self.service.start(self.connect_timeout_s)
+
+    async def drain(self) -> None:
+        if self.service.loop is not None:
+            await self.service.loop.drain(self.shutdown_grace_s)
 
     async def stop(self) -> None:
         await self.service.stop()

@@ -12,6 +12,9 @@ BENCHES = {
     "transfer": ("superinfer.bench.transfer", "KV block transfer GB/s per DuplexKV mode vs raw"),
     "overhead": ("superinfer.bench.serve_overhead",
                  "decode throughput through the services vs in-process"),
+    "serve": ("superinfer.bench.serve", "load benchmark of an OpenAI-compatible server"),
+    "experiment": ("superinfer.bench.experiment",
+                   "rotation policies on the real stack: rate sweep, table, plot, claim check"),
 }
 
 

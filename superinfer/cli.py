@@ -46,6 +46,7 @@ def _generate(args: argparse.Namespace) -> int:
         engine = LLMEngine(EngineConfig.from_args(args))
         prompts = [engine.encode_prompt(t, chat=args.chat) for t in texts]
         results = engine.generate(prompts, sampling, texts=texts)
+        engine.close()
     except (SuperInferError, InvalidSamplingParams, ValueError) as e:
         return _die(str(e))
     for r in results:

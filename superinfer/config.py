@@ -22,6 +22,9 @@ class EngineConfig:
     block_size: int = 16
     max_batched_tokens: int = 512
     max_num_seqs: int = 256
+    # Admission bound of the scheduler service: live requests (waiting + running + rotary)
+    # it holds at once; one more is refused with RESOURCE_EXHAUSTED (HTTP 429). 0: no bound.
+    max_queued_requests: int = 1024
     max_model_len: int | None = None  # None: the model's context length
     dtype: str = "float32"
     policy: str = "lvf"
@@ -34,6 +37,7 @@ class EngineConfig:
     eager_budget_blocks: int = 32
     ttft_slo: float = 5.0
     tbt_slo: float = 0.1
+    trace: str | None = None  # write the iteration timeline here (Chrome/Perfetto JSON)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -44,6 +48,9 @@ class EngineConfig:
             raise ValueError(f"--device-blocks must be at least 1, got {self.device_blocks}")
         if self.max_batched_tokens < 1:
             raise ValueError(f"--max-batched-tokens must be at least 1, got {self.max_batched_tokens}")
+        if self.max_queued_requests < 0:
+            raise ValueError(
+                f"--max-queued-requests must be >= 0 (0: no limit), got {self.max_queued_requests}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype}")
         VLTParams(self.alpha, self.beta_b, self.beta_f)  # validates
@@ -98,6 +105,9 @@ class EngineConfig:
         g.add_argument("--block-size", type=int, default=16)
         g.add_argument("--max-batched-tokens", type=int, default=512)
         g.add_argument("--max-num-seqs", type=int, default=256)
+        g.add_argument("--max-queued-requests", type=int, default=1024,
+                       help="live requests (waiting+running+rotary) the scheduler admits; "
+                            "past it clients get 429 / RESOURCE_EXHAUSTED (0: no limit)")
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
         s = p.add_argument_group("scheduling (RotaSched)")
@@ -112,6 +122,10 @@ class EngineConfig:
         s.add_argument("--eager-budget-blocks", type=int, default=32)
         s.add_argument("--ttft-slo", type=float, default=5.0, help="default TTFT SLO, seconds")
         s.add_argument("--tbt-slo", type=float, default=0.1, help="default TBT SLO, seconds")
+        o = p.add_argument_group("observability")
+        o.add_argument("--trace", default=None, metavar="PATH",
+                       help="write a Chrome/Perfetto timeline of every iteration (schedule, "
+                            "transfers per direction, execute) and of each request's states")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:

@@ -21,6 +21,7 @@ from superinfer.errors import ContextLengthError, InvalidRequestError
 from superinfer.modelfile import resolve_model
 from superinfer.output import OutputTracker
 from superinfer.tokenizer import Tokenizer
+from superinfer.trace import Trace
 from worker.loader import load_weights
 from worker.model import LlamaModel
 from worker.runner import KVShape, ModelRunner, kv_block_bytes
@@ -68,6 +69,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.transfer_s = 0.0
         self.execute_s = 0.0
+        self.trace = Trace(config.trace, "superinfer generate") if config.trace else None
+        self._traced_finished = 0  # finished_log entries already in the trace
 
     @property
     def model_name(self) -> str:
@@ -119,16 +122,33 @@ class LLMEngine:
 
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestEvent]:
-        sched = self.scheduler
+        sched, trace = self.scheduler, self.trace
+        start = sched.clock()
         out = sched.schedule()
+        xfer, timing = None, None
         if out.transfers is not None:
             t0 = time.perf_counter()
-            self.copier.transfer(out.transfers)
+            t_start = sched.clock()
+            timing = self.copier.transfer(out.transfers)
             sched.complete_transfer(out.transfers.fence)
-            self.transfer_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.transfer_s += dt
+            xfer = (t_start, dt)
+        t_exec = sched.clock()
         result = self.runner.execute(out.chunks)
         self.execute_s += result.execute_s
         events = sched.update_from_output(out, result)
+        if trace is not None:
+            trace.iteration(
+                out, start, transfer=xfer, d2h_s=timing.d2h_s if timing else 0.0,
+                h2d_s=timing.h2d_s if timing else 0.0,
+                execute=(t_exec, result.execute_s) if out.chunks else None,
+                load=self._load(),
+            )
+            now = sched.clock()
+            for req in sched.finished_log[self._traced_finished:]:
+                trace.request_done(req, now)
+            self._traced_finished = len(sched.finished_log)
         for ev in events:
             tracker = self.trackers.get(ev.request_id)
             if tracker is None:
@@ -155,6 +175,7 @@ class LLMEngine:
                 if ev.finish_reason is not None:
                     done[ev.request_id] = ev.finish_reason
         finished = {r.request_id: r for r in self.scheduler.collect_finished()}
+        self._traced_finished = 0
         results = []
         for i, rid in enumerate(ids):
             req = finished[rid]
@@ -169,6 +190,17 @@ class LLMEngine:
                 metrics=req.summary(time.monotonic()),
             ))
         return results
+
+    def _load(self) -> dict[str, float]:
+        s = self.scheduler
+        return {"running": len(s.running), "waiting": len(s.waiting), "rotary": len(s.rotary),
+                "device_blocks_free": s.bm.num_free_device,
+                "host_blocks_free": s.bm.num_free_host}
+
+    def close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
+        self.copier.close()
 
     def stats(self) -> dict[str, object]:
         s = self.scheduler.stats.as_dict()

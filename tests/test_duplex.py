@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import threading
 import time
@@ -514,7 +515,7 @@ def test_bench_transfer_reports_every_mode(tmp_path: Path, capsys: pytest.Captur
 
     out = tmp_path / "t.json"
     args = argparse.Namespace(blocks=8, repeats=1, shapes="qwen2.5-32b,smollm2-135m", seed=0,
-                              nt_threshold=None, copy_rows=False, json=str(out))
+                              nt_threshold="default", copy_rows=False, json=str(out))
     assert transfer.run(args) == 0
     data = json.loads(out.read_text())
     qwen = data["shapes"]["qwen2.5-32b"]
@@ -524,6 +525,31 @@ def test_bench_transfer_reports_every_mode(tmp_path: Path, capsys: pytest.Captur
         for key in ("raw_gbps", "layer_first_gbps", "block_first_gbps", "duplex_gbps"):
             assert shape[key] > 0
     assert "duplex" in capsys.readouterr().out
+
+
+def test_kvmem_reexecs_itself_with_the_copy_tunable() -> None:
+    """glibc reads GLIBC_TUNABLES at start only: the daemon re-executes itself once with the
+    non-temporal threshold added (same pid), keeping the user's other tunables."""
+    import subprocess
+    import sys
+
+    from kvmem_svc.tunables import NT_KEY, NT_THRESHOLD, applies_here, with_nt_threshold
+
+    env = with_nt_threshold({"GLIBC_TUNABLES": f"glibc.malloc.check=0:{NT_KEY}=1"}, "0x40000")
+    assert env["GLIBC_TUNABLES"] == f"glibc.malloc.check=0:{NT_KEY}=0x40000"
+    if not applies_here():
+        pytest.skip("glibc tunables apply to x86-64 Linux only")
+    code = ("import os; from kvmem_svc.tunables import reexec_with_copy_tunables as r; "
+            "print(os.getpid()); r(); print(os.getpid(), os.environ['GLIBC_TUNABLES'])")
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("GLIBC_TUNABLES", "SUPERINFER_KVMEM_TUNED")}
+    clean["GLIBC_TUNABLES"] = "glibc.malloc.check=0"
+    out = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True,
+                         text=True, check=True).stdout.split()
+    # The program runs twice (before and after the exec) in one process: the supervisor's
+    # pid stays right. The second run has the threshold and does not exec again.
+    assert len(out) == 4 and out[0] == out[1] == out[2]
+    assert out[3] == f"glibc.malloc.check=0:{NT_KEY}={NT_THRESHOLD}"
 
 
 # -- GPU (UNTESTED here: skipped without CUDA) ------------------------------------------------------

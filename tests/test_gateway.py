@@ -143,7 +143,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         ServiceSpec("kvmem", [*cli, "kvmem", *common, "--port", str(ports["kvmem"]),
                               "--host-blocks", "512"], grpc_probe(addr["kvmem"])),
         ServiceSpec("scheduler", [*cli, "scheduler", *common, "--port", str(ports["scheduler"]),
-                                  "--worker-addr", addr["worker"], "--kvmem-addr", addr["kvmem"]],
+                                  "--worker-addr", addr["worker"], "--kvmem-addr", addr["kvmem"],
+                                  "--trace", str(run_dir / "scheduler.trace.json")],
                     grpc_probe(addr["scheduler"])),
         ServiceSpec("gateway", [*cli, "gateway", *common, "--port", str(ports["http"]),
                                 "--grpc-port", str(ports["grpc"]),
@@ -587,3 +588,41 @@ def test_grpc_generate_abort_and_errors(stack: Stack) -> None:
 
     asyncio.run(main())
     _wait_all_blocks_free(stack)
+
+
+def test_scheduler_trace_has_iterations_transfers_and_request_states(stack: Stack) -> None:
+    """`--trace`: one span per iteration on the schedule / execute tracks, load counters, and
+    each finished request's states on its own async track (Perfetto / chrome://tracing)."""
+    from superinfer.trace import load_trace
+
+    with stack.http() as h:
+        r = h.post("/v1/completions", json={"model": stack.model, "prompt": "Trace me",
+                                            "max_tokens": 5, "ignore_eos": True},
+                   headers={"X-Request-ID": "traced-1"})
+        assert r.status_code == 200
+    path = stack.run_dir / "scheduler.trace.json"
+    deadline = time.monotonic() + 10
+    while True:  # the trace is flushed at least once a second
+        events = load_trace(path)
+        mine = [e for e in events if e.get("id") == "traced-1"]
+        if mine or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    names = {(e["ph"], e.get("name")) for e in mine}
+    assert ("b", "waiting") in names and ("b", "running") in names, names
+    spans = [e for e in events if e["ph"] == "X"]
+    tracks = {e["tid"] for e in spans}
+    assert {1, 4} <= tracks  # schedule, execute
+    iters = [e for e in spans if e["tid"] == 1]
+    assert iters and all(e["dur"] >= 0 and "chunks" in e["args"] for e in iters)
+    assert any(e["ph"] == "C" and "running" in e["args"] for e in events)
+
+
+def test_kvmem_runs_with_the_non_temporal_copy_threshold(stack: Stack) -> None:
+    from kvmem_svc.tunables import NT_THRESHOLD, applies_here
+
+    if not applies_here():
+        pytest.skip("glibc tunables apply to x86-64 Linux only")
+    lines = [json.loads(line) for line in (stack.run_dir / "kvmem.log").read_text().splitlines()
+             if '"copy_tunables"' in line]
+    assert lines and lines[-1]["nt_threshold"] == NT_THRESHOLD

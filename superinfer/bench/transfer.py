@@ -30,10 +30,10 @@ import torch
 
 from kvmem_svc.duplex import DuplexEngine, Mode
 from kvmem_svc.hostmem import allocate_host_pool
+from kvmem_svc.tunables import NT_KEY, NT_THRESHOLD
 from scheduler_svc.block_manager import TransferPlan
 from superinfer.bench.report import table, write_json
 
-NT_KEY = "glibc.cpu.x86_non_temporal_threshold"
 MODES = [Mode.LAYER_FIRST, Mode.BLOCK_FIRST, Mode.DUPLEX]
 VARIANTS: dict[str, tuple[Mode, str]] = {m.value: (m, "auto") for m in MODES}
 # --copy-rows: the same modes with `Tensor.copy_` per copy instead of memmove (slow: block
@@ -82,10 +82,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed passes of every mode")
     p.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--nt-threshold", default=None, metavar="BYTES",
-                   help=f"rerun in a child process with GLIBC_TUNABLES={NT_KEY}=BYTES "
-                        "(e.g. 0x40000): block copies then use non-temporal stores, as a "
-                        "large memmove does")
+    p.add_argument("--nt-threshold", default=NT_THRESHOLD, metavar="BYTES",
+                   help=f"measure with GLIBC_TUNABLES={NT_KEY}=BYTES (in a child process): "
+                        f"default {NT_THRESHOLD}, what the kvmem daemon runs with (block "
+                        "copies then use non-temporal stores, as a large memmove does); "
+                        "'default' keeps glibc's own threshold")
     p.add_argument("--copy-rows", action="store_true",
                    help="also time layer-first and block-first with torch copy_ (slow)")
     p.add_argument("--json", default=None, help="write results to this JSON file")
@@ -213,7 +214,7 @@ def nt_threshold_in_effect() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.nt_threshold and nt_threshold_in_effect() == "glibc default":
+    if args.nt_threshold != "default" and nt_threshold_in_effect() == "glibc default":
         return _rerun_with_nt(args)
     shapes = {s.name: s for s in SHAPES}
     unknown = [n for n in args.shapes.split(",") if n not in shapes]
@@ -257,8 +258,8 @@ def run(args: argparse.Namespace) -> int:
               + f"; duplex / block-first {fmt(r['duplex_vs_block_first'])}, "
               f"duplex overlap {r['duplex_overlap']:.2f}")
     if nt == "glibc default":
-        print("note: block copies here use cached stores; rerun with --nt-threshold 0x40000 "
-              "to see them with the non-temporal stores a large memmove gets")
+        print(f"note: block copies here use cached stores; kvmem runs with --nt-threshold "
+              f"{NT_THRESHOLD}, where they get the non-temporal stores a large memmove gets")
     write_json(args.json, {
         "cpus": os.cpu_count(), "nt_threshold": nt, "repeats": args.repeats,
         "shapes": {r["shape"]: r for r in results},
@@ -270,7 +271,8 @@ def _rerun_with_nt(args: argparse.Namespace) -> int:
     """GLIBC_TUNABLES is read at process start: measure in a child that has it."""
     tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t]
     env = {**os.environ, "GLIBC_TUNABLES": ":".join([*tunables, f"{NT_KEY}={args.nt_threshold}"])}
-    argv = ["--repeats", str(args.repeats), "--shapes", args.shapes, "--seed", str(args.seed)]
+    argv = ["--repeats", str(args.repeats), "--shapes", args.shapes, "--seed", str(args.seed),
+            "--nt-threshold", "default"]  # the child has it in its environment already
     if args.copy_rows:
         argv.append("--copy-rows")
     if args.blocks is not None:

@@ -1,0 +1,158 @@
+"""From what the client saw to the shared result vocabulary (DESIGN 8).
+
+Attainment, goodput and throughput come from `slo_metrics.compute_metrics`, the very
+function the simulator uses, over records whose arrival is the moment the request was
+sent. Beside them, the latency distributions `vllm bench serve` prints, with its
+definitions: TTFT (send -> first token), ITL (gaps between consecutive tokens, pooled;
+the same numbers as TBT here), TPOT (per request, (last token - first token) /
+(tokens - 1)), E2EL (send -> end of the stream, completed requests only); each as mean,
+P50, P90, P99 (numpy's linear percentiles).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from superinfer.bench.report import table
+from superinfer.bench.serve.stream import StreamOutcome
+from superinfer.slo_metrics import RequestRecord, compute_metrics
+from superinfer.workload import TraceRequest
+
+# The simulator's per-result keys (superinfer/sim/cli.py RESULT_KEYS), then its extras.
+SIM_KEYS = (
+    "ttft_attainment", "tbt_attainment", "p50_ttft_s", "p99_ttft_s", "p50_tbt_s", "p99_tbt_s",
+    "goodput_rps", "throughput_tok_s", "tbt_attainment_rotated", "tpot_attainment",
+    "p99_tpot_s", "mean_ttft_s", "requests", "completed",
+)
+DISTRIBUTIONS = (("ttft", "TTFT"), ("itl", "ITL (TBT)"), ("tpot", "TPOT"), ("e2el", "E2EL"))
+
+
+def _dist(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    a = np.asarray(values, dtype=float)
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
+            "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}
+
+
+def latency_distributions(records: Sequence[RequestRecord],
+                          outcomes: Sequence[StreamOutcome]) -> dict[str, dict[str, float | None]]:
+    ttft = [t for r in records if (t := r.ttft_s) is not None]
+    itl = [g for r in records for g in r.gaps()]
+    tpot = [t for r in records if (t := r.tpot_s()) is not None]
+    e2el = [o.done_at - o.sent_at for o in outcomes if o.ok and o.done_at is not None]
+    return {"ttft": _dist(ttft), "itl": _dist(itl), "tpot": _dist(tpot), "e2el": _dist(e2el)}
+
+
+def result_row(
+    *, label: str, rps: float, trace: Sequence[TraceRequest], outcomes: Sequence[StreamOutcome],
+    ttft_slo_s: float, tbt_slo_s: float, duration_s: float | None, start: float, end: float,
+    server: dict[str, float],
+) -> dict[str, Any]:
+    """One rate's result: the simulator's keys, the bench's extras, and every request."""
+    records = [o.record(f"r{o.index}", ttft_slo_s, tbt_slo_s) for o in outcomes]
+    m = compute_metrics(records, duration_s).as_dict()
+    row: dict[str, Any] = {"policy": label, "base_policy": None, "rps": rps}
+    row.update({k: m[k] for k in SIM_KEYS})
+    rotations = server.get("superinfer_scheduler_rotations")
+    row["rotations"] = None if rotations is None else int(rotations)
+    completed = [o for o in outcomes if o.ok]
+    wall = end - start
+    row.update({
+        "failed": len(outcomes) - len(completed),
+        "prompt_tokens": sum(o.prompt_tokens or 0 for o in outcomes),
+        "output_tokens": m["output_tokens"],
+        "untimed_tokens": sum(o.untimed_tokens for o in outcomes),
+        "duration_s": wall,  # first scheduled send -> last stream closed
+        "request_throughput_rps": len(completed) / wall if wall > 0 else None,
+        "goodput_duration_s": m["duration_s"],
+        "max_send_lag_s": max((o.sent_at - start - o.scheduled_s for o in outcomes), default=0.0),
+        "latency_s": latency_distributions(records, outcomes),
+        "stats": {"server_metrics_delta": server},
+        "per_request": [_detail(t, o, start) for t, o in zip(trace, outcomes, strict=True)],
+    })
+    return row
+
+
+def _detail(req: TraceRequest, o: StreamOutcome, start: float) -> dict[str, Any]:
+    times = o.token_times()
+    return {
+        "index": req.index,
+        "scheduled_s": req.arrival_s,
+        "sent_s": o.sent_at - start,  # arrival, as the metrics count it
+        "ttft_s": times[0] - o.sent_at if times else None,
+        "token_times_s": [t - o.sent_at for t in times],  # each output token, from arrival
+        "e2el_s": None if o.done_at is None else o.done_at - o.sent_at,
+        "trace_prompt_len": req.prompt_len,
+        "trace_output_len": req.output_len,
+        "prompt_tokens": o.prompt_tokens,
+        "output_tokens": len(times),
+        "timed_chunks": len(o.chunk_times),
+        "finish_reason": o.finish_reason,
+        "http_status": o.http_status,
+        "error": o.error,
+    }
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000.0:.1f}"
+
+
+def _num(v: float | None, decimals: int) -> str:
+    return "-" if v is None else f"{v:.{decimals}f}"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{100 * v:.1f}%"
+
+
+def format_pass(row: dict[str, Any], ttft_slo_s: float, tbt_slo_s: float) -> str:
+    lat = row["latency_s"]
+    dist = table(["latency (ms)", "mean", "P50", "P90", "P99"],
+                 [[name, *(_ms(lat[key][q]) for q in ("mean", "p50", "p90", "p99"))]
+                  for key, name in DISTRIBUTIONS])
+    goodput = row["goodput_rps"]
+    tok_s = row["throughput_tok_s"]
+    req_s = row["request_throughput_rps"]
+    lines = [
+        f"{row['policy']} @ {row['rps']:g} req/s: {row['requests']} requests, "
+        f"{row['completed']} completed, {row['failed']} failed, in {row['duration_s']:.2f} s",
+        dist,
+        f"SLO attainment: TTFT <= {ttft_slo_s:g} s {_pct(row['ttft_attainment'])}, "
+        f"TBT <= {tbt_slo_s * 1000:g} ms {_pct(row['tbt_attainment'])}, "
+        f"TPOT <= {tbt_slo_s * 1000:g} ms {_pct(row['tpot_attainment'])}",
+        f"goodput {'-' if goodput is None else f'{goodput:.3g}'} req/s; throughput "
+        f"{'-' if req_s is None else f'{req_s:.3g}'} req/s, "
+        f"{'-' if tok_s is None else f'{tok_s:.1f}'} output tok/s; tokens: "
+        f"{row['prompt_tokens']} prompt, {row['output_tokens']} output"
+        + (f"; server rotations {row['rotations']}" if row["rotations"] is not None else ""),
+    ]
+    if row["untimed_tokens"]:
+        lines.append(f"note: {row['untimed_tokens']} tokens came without a chunk of their own "
+                     "and were timed at their stream's last chunk")
+    if row["max_send_lag_s"] > 0.05:
+        lines.append(f"note: a request was sent up to {row['max_send_lag_s']:.2f} s after its "
+                     "arrival (--max-concurrency, or a busy client)")
+    errors = [d["error"] for d in row["per_request"] if d["error"]]
+    if errors:
+        lines.append(f"first error: {errors[0]}")
+    return "\n".join(lines)
+
+
+def format_sweep(rows: Sequence[dict[str, Any]]) -> str:
+    def pct(v: float | None) -> str:
+        return _pct(v).rstrip("%")
+
+    return table(
+        ["label", "RPS", "done", "failed", "TTFT%", "TBT%", "p50TTFT s", "p99TTFT s",
+         "p50TBT s", "p99TBT s", "goodput", "tok/s"],
+        [[r["policy"], f"{r['rps']:g}", r["completed"], r["failed"], pct(r["ttft_attainment"]),
+          pct(r["tbt_attainment"]), _num(r["p50_ttft_s"], 2), _num(r["p99_ttft_s"], 2),
+          _num(r["p50_tbt_s"], 3), _num(r["p99_tbt_s"], 3), _num(r["goodput_rps"], 2),
+          _num(r["throughput_tok_s"], 1)]
+         for r in rows],
+    )
