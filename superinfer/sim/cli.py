@@ -4,6 +4,7 @@
         --rps 5,8,11,14,17,20 --duration 120 --policies lvf,swapped-first,waiting-first,fcfs \\
         --json out.json --plot out.png
     superinfer sim calibrate            # measure this machine -> profiles/hardware/cpu-local.json
+    superinfer sim fidelity --experiment results.json   # vs the real stack (bench experiment)
 
 A policy entry may carry per-run overrides, e.g. `lvf:xfer=300:layout=layer-first:duplex=off:
 eager=0:label=lvf-vllm-offload` (keys: alpha, beta_b, beta_f, xfer, min_res, margin, eager,
@@ -21,11 +22,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from superinfer.sim import fidelity
 from superinfer.sim.cost import LAYOUTS
 from superinfer.sim.engine import (
     AUTO,
-    DEFAULT_MIN_RESIDENCY,
-    DEFAULT_VLT_MARGIN,
     PolicyVariant,
     SimConfig,
     SimResult,
@@ -42,6 +42,8 @@ from superinfer.sim.profile import (
     load_model,
 )
 from superinfer.workload import SYNTHETIC, WorkloadError, WorkloadSpec, build_trace, trace_stats
+
+_D = SimConfig()  # the defaults (the engine's scheduling defaults; superinfer/sim/engine.py)
 
 RESULT_KEYS = (
     "ttft_attainment", "tbt_attainment", "p50_ttft_s", "p99_ttft_s", "p50_tbt_s", "p99_tbt_s",
@@ -61,7 +63,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--out", default=None,
                    help="where to write the profile (default: the bundled cpu-local.json)")
     c.add_argument("--quick", action="store_true", help="fewer repetitions (a rough profile)")
+    c.add_argument("--serving", action=argparse.BooleanOptionalAction, default=True,
+                   help="also measure the worker's slowdown inside the serving stack with a "
+                        "short `bench experiment` (about a minute) and scale the profile by it")
     c.set_defaults(func=_calibrate)
+    f = ssub.add_parser("fidelity", help="the simulator vs the real stack on a `bench experiment`",
+                        description=fidelity.__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    fidelity.add_arguments(f)
+    f.set_defaults(func=fidelity.run)
 
 
 def _rates(text: str) -> list[float]:
@@ -95,10 +105,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"hardware profile: {', '.join(available('hardware'))} or a .json path")
     m.add_argument("--model", default="qwen2.5-32b",
                    help=f"model profile: {', '.join(available('models'))} or a .json path")
-    m.add_argument("--block-size", type=int, default=16)
-    m.add_argument("--max-batched-tokens", type=int, default=512,
+    m.add_argument("--block-size", type=int, default=_D.block_size)
+    m.add_argument("--max-batched-tokens", type=int, default=_D.max_batched_tokens,
                    help="chunked-prefill token budget per iteration")
-    m.add_argument("--max-num-seqs", type=int, default=256)
+    m.add_argument("--max-num-seqs", type=int, default=_D.max_num_seqs)
     m.add_argument("--device-blocks", type=int, default=None,
                    help="override the device KV pool (default: from the profiles)")
     m.add_argument("--host-blocks", type=int, default=None,
@@ -123,18 +133,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("scheduling (RotaSched)")
     s.add_argument("--policies", default="lvf,swapped-first,waiting-first,fcfs",
                    help="comma-separated policies, each optionally name:key=value:...")
-    s.add_argument("--alpha", type=float, default=3.0)
-    s.add_argument("--beta-b", type=float, default=0.0)
-    s.add_argument("--beta-f", type=float, default=0.5)
+    s.add_argument("--alpha", type=float, default=_D.alpha)
+    s.add_argument("--beta-b", type=float, default=_D.beta_b)
+    s.add_argument("--beta-f", type=float, default=_D.beta_f)
     s.add_argument("--xfer-budget-blocks", type=_budget, default=AUTO,
                    help="B_xfer: a count, 'none' (unlimited) or 'auto' (the link's 50 ms worth)")
-    s.add_argument("--min-residency", type=int, default=DEFAULT_MIN_RESIDENCY,
+    s.add_argument("--min-residency", type=int, default=_D.min_residency,
                    help="iterations a (re)admitted request is safe from proactive preemption")
-    s.add_argument("--vlt-margin", type=float, default=DEFAULT_VLT_MARGIN)
+    s.add_argument("--vlt-margin", type=float, default=_D.vlt_margin)
     s.add_argument("--eager-budget-blocks", type=_budget, default=AUTO,
                    help="eager D2H copies per iteration: a count, 0 (off) or 'auto'")
-    s.add_argument("--ttft-slo", type=float, default=5.0, help="S_B, seconds")
-    s.add_argument("--tbt-slo", type=float, default=0.1, help="S_F, seconds")
+    s.add_argument("--ttft-slo", type=float, default=_D.ttft_slo, help="S_B, seconds")
+    s.add_argument("--tbt-slo", type=float, default=_D.tbt_slo, help="S_F, seconds")
     t = p.add_argument_group("transfers (DuplexKV)")
     t.add_argument("--layout", choices=list(LAYOUTS), default="block-first")
     t.add_argument("--duplex", action=argparse.BooleanOptionalAction, default=True,
@@ -361,7 +371,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from superinfer.sim.calibrate import calibrate
 
     out = Path(args.out) if args.out else None
-    path = calibrate(out, quick=args.quick)
+    path = calibrate(out, quick=args.quick, serving=args.serving)
     print(f"wrote {path}")
     return 0
 

@@ -9,13 +9,20 @@ Execution (a roofline per iteration):
     bytes = weights read once (MoE: the experts at least one token routes to, expected)
             + KV of every chunk's whole context (read) and new tokens (written)
 
+A profile with `attention_kv_Bps` (cpu-local) moves the KV bytes out of the roofline into a
+pass of their own, added to it: `t = overhead + max(FLOPs/F, weights/B) + KV / attention_kv_Bps`.
+On the CPU engine attention gathers each request's KV through its block table after the
+matmuls, with no overlap, at a rate far below DRAM bandwidth (calibrate measures it).
+
 Transfers (DESIGN 2 and 5): a block-first block is one segment of
 layers·2·block_size·kv_heads·head_dim·dtype bytes, and adjacent blocks coalesce into one
 copy issued in one batched call; a layer-first block is 2·layers separate segments of
 block_size·kv_heads·head_dim·dtype bytes, each its own copy (vLLM 0.6's loop). A direction
 takes Σ segment / bandwidth(segment) + copies · launch. Both directions at once (duplex)
 take the slower direction, but no less than both byte counts over the shared DRAM limit;
-one direction at a time (half duplex) takes the sum.
+one direction at a time (half duplex) takes the sum. A batch that copies anything also
+pays the link's fixed `plan_overhead_s` (0 on the GPU profiles; on cpu-local the measured
+Transfer RPC to kvmem, which the scheduler awaits before it executes).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ class ExecBreakdown:
     compute_s: float
     memory_s: float
     tokens: int
+    attention_s: float = 0.0  # the separate KV pass (profiles with attention_kv_Bps)
 
 
 class ExecutionCostModel:
@@ -43,6 +51,7 @@ class ExecutionCostModel:
         self.overhead_s = hw.iteration_overhead_s
         self.flops_per_s = hw.peak_flops * hw.mfu
         self.bytes_per_s = hw.hbm_bandwidth_Bps * hw.hbm_efficiency
+        self.attention_kv_Bps = hw.attention_kv_Bps
         self.linear_flops_per_token = 2.0 * model.active_params
         self.lm_head_flops = 2.0 * model.lm_head_params
         # QK^T and PV: 2 matmuls x 2 FLOPs per multiply-add, per query head and layer.
@@ -76,9 +85,14 @@ class ExecutionCostModel:
             + self.lm_head_flops * sampled
             + self.attn_flops_per_pair * pairs
         )
-        nbytes = self.weight_bytes_read(tokens) + self.kv_bytes_per_token * context
+        kv_bytes = self.kv_bytes_per_token * context
         compute_s = flops / self.flops_per_s
-        memory_s = nbytes / self.bytes_per_s
+        if self.attention_kv_Bps is not None:
+            memory_s = self.weight_bytes_read(tokens) / self.bytes_per_s
+            attention_s = kv_bytes / self.attention_kv_Bps
+            return ExecBreakdown(self.overhead_s + max(compute_s, memory_s) + attention_s,
+                                 compute_s, memory_s, tokens, attention_s)
+        memory_s = (self.weight_bytes_read(tokens) + kv_bytes) / self.bytes_per_s
         return ExecBreakdown(self.overhead_s + max(compute_s, memory_s), compute_s, memory_s,
                              tokens)
 
@@ -132,6 +146,7 @@ class TransferCostModel:
         self.duplex_total_Bps = link.duplex_total_Bps
         self.block_bytes = model.block_bytes(block_size)
         self.d2h, self.h2d = link.d2h, link.h2d
+        self.plan_overhead_s = link.plan_overhead_s
         if layout == "block-first":
             # DuplexKV: one segment per block, adjacent blocks merged, one batched call.
             self.segments_per_block = 1
@@ -179,5 +194,7 @@ class TransferCostModel:
             critical = max(d2h_s, h2d_s, (d2h_b + h2d_b) / self.duplex_total_Bps)
         else:
             critical = d2h_s + h2d_s
+        if plan.swap_out or plan.swap_in or plan.eager:
+            critical += self.plan_overhead_s
         eager_s = self.direction_s(plan.eager, self.d2h)
         return TransferTime(critical, eager_s, d2h_s, h2d_s, d2h_b, h2d_b)

@@ -29,6 +29,7 @@ from scheduler_svc.interfaces import ExecuteResult, SchedulerOutput
 from scheduler_svc.policy import POLICY_NAMES, RotationLimits, VLTParams, make_policy
 from scheduler_svc.request import SLO, Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from superinfer.config import EngineConfig
 from superinfer.errors import SuperInferError
 from superinfer.sim.cost import LAYOUTS, ExecutionCostModel, TransferCostModel
 from superinfer.sim.profile import HardwareProfile, ModelProfile
@@ -39,8 +40,11 @@ AUTO = -1  # xfer/eager budgets: size to the link (see Simulator)
 # B_xfer "auto": blocks one direction of the link moves in this time. With GH200 and
 # Qwen2.5-32B (4 MiB blocks at 175 GB/s) it gives ~2090, near the paper's default of 2400.
 XFER_REFERENCE_S = 0.05
-DEFAULT_MIN_RESIDENCY = 32  # chosen by measurement: docs/sim/README.md
-DEFAULT_VLT_MARGIN = 0.0
+# The scheduling defaults are the engine's (superinfer.config.EngineConfig), so `sim` and
+# `serve` mean the same thing by "the defaults"; min residency 32 was chosen in the sim.
+_ENGINE = EngineConfig()
+DEFAULT_MIN_RESIDENCY = _ENGINE.min_residency
+DEFAULT_VLT_MARGIN = _ENGINE.vlt_margin
 
 
 class SimulationError(SuperInferError):
@@ -50,24 +54,42 @@ class SimulationError(SuperInferError):
 
 @dataclass(slots=True)
 class SimConfig:
-    block_size: int = 16
-    max_batched_tokens: int = 512  # vLLM 0.6's chunked-prefill token budget
-    max_num_seqs: int = 256  # vLLM's default
-    alpha: float = 3.0
-    beta_b: float = 0.0
-    beta_f: float = 0.5
+    """The scheduler's settings (defaults: EngineConfig's) plus the simulated machine's.
+
+    Two defaults differ from the engine's on purpose: B_xfer and the eager budget are
+    sized to the simulated link (AUTO) instead of the engine's unlimited / 32 blocks, so
+    that one default works from a CPU to a GH200. `from_engine` takes the engine's as-is.
+    """
+
+    block_size: int = _ENGINE.block_size
+    max_batched_tokens: int = _ENGINE.max_batched_tokens
+    max_num_seqs: int = _ENGINE.max_num_seqs
+    alpha: float = _ENGINE.alpha
+    beta_b: float = _ENGINE.beta_b
+    beta_f: float = _ENGINE.beta_f
     xfer_budget_blocks: int | None = AUTO  # B_xfer; None: unlimited
-    min_residency: int = DEFAULT_MIN_RESIDENCY
-    vlt_margin: float = DEFAULT_VLT_MARGIN
+    min_residency: int = _ENGINE.min_residency
+    vlt_margin: float = _ENGINE.vlt_margin
     eager_budget_blocks: int = AUTO  # 0: no eager copies
     layout: str = "block-first"
     duplex: bool = True
     pipeline: bool = False
-    ttft_slo: float = 5.0
-    tbt_slo: float = 0.1
+    ttft_slo: float = _ENGINE.ttft_slo
+    tbt_slo: float = _ENGINE.tbt_slo
     device_blocks: int | None = None  # None: from the profile's memory
     host_blocks: int | None = None
     max_sim_s: float | None = None  # stop the clock here (None: 10x the trace + 600 s)
+    max_model_len: int | None = None  # None: the model profile's context
+
+    @classmethod
+    def from_engine(cls, ec: EngineConfig, **overrides: Any) -> SimConfig:
+        """The settings a `superinfer serve` with this EngineConfig schedules with."""
+        values: dict[str, Any] = {
+            f.name: getattr(ec, f.name) for f in dataclasses.fields(cls)
+            if f.name in _ENGINE_FIELDS
+        }
+        values.update(overrides)
+        return cls(**values)
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -82,11 +104,16 @@ class SimConfig:
             raise SimulationError(f"--eager-budget-blocks must be >= 0, got {self.eager_budget_blocks}")
         if self.min_residency < 0:
             raise SimulationError(f"--min-residency must be >= 0, got {self.min_residency}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise SimulationError(f"max_model_len must be at least 2, got {self.max_model_len}")
         try:
             VLTParams(self.alpha, self.beta_b, self.beta_f)
             SLO(self.ttft_slo, self.tbt_slo)
         except ValueError as e:
             raise SimulationError(str(e)) from None
+
+
+_ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 
 
 # -- policy variants -----------------------------------------------------------------------
@@ -242,7 +269,8 @@ class Simulator:
             block_size=c.block_size,
             max_batched_tokens=c.max_batched_tokens,
             max_num_seqs=c.max_num_seqs,
-            max_model_len=self.model.max_model_len,
+            max_model_len=min(c.max_model_len or self.model.max_model_len,
+                              self.model.max_model_len),
             eager_budget_blocks=self.eager_budget,
         )
 
@@ -268,7 +296,9 @@ class Simulator:
         sched = self.scheduler = self.make_scheduler(clock)
         slo = SLO(cfg.ttft_slo, cfg.tbt_slo)
         exec_model, xfer_model = self.exec_model, self.xfer_model
-        max_len = self.model.max_model_len
+        # Clip to the model's context only: a prompt larger than the device pool (the
+        # scheduler's own cap) is refused by add_request and counted as a miss below.
+        max_len = min(cfg.max_model_len or self.model.max_model_len, self.model.max_model_len)
         pending = sorted(trace, key=lambda r: (r.arrival_s, r.index))
         last_arrival = pending[-1].arrival_s if pending else 0.0
         max_sim_s = cfg.max_sim_s if cfg.max_sim_s is not None else 10 * last_arrival + 600.0
@@ -278,7 +308,7 @@ class Simulator:
         exec_total = xfer_total = eager_over = 0.0
         max_running = 0
         batch_tokens = 0
-        idle_iterations = 0
+        idle_iterations = executes = 0
         i = 0
         while True:
             while i < len(pending) and pending[i].arrival_s <= clock.t:
@@ -325,6 +355,7 @@ class Simulator:
                 observer(sched, out, step + over)
             clock.t += step + over
             exec_total += ex
+            executes += bool(out.chunks)
             xfer_total += xt.critical_s
             eager_over += over
             batch_tokens += out.num_tokens
@@ -356,6 +387,7 @@ class Simulator:
             "eager_budget_blocks": self.eager_budget,
             "iterations": s.iterations,
             "idle_iterations": idle_iterations,
+            "executes": executes,  # iterations that ran a batch (others only moved blocks)
             "sim_time_s": clock.t,
             "execute_s": exec_total,
             "transfer_s": xfer_total,

@@ -120,6 +120,9 @@ class LinkProfile:
     duplex_total_Bps: float  # both directions together cannot beyond this (shared DRAM)
     launch_overhead_s: float  # host cost per copy issued one by one (a cudaMemcpyAsync loop)
     batched_launch_overhead_s: float  # host cost per descriptor of one batched call
+    # Fixed cost of one transfer batch on the iteration's critical path, whatever it holds
+    # (cpu-local: the Transfer RPC to kvmem and its thread hand-offs). Optional, default 0.
+    plan_overhead_s: float = 0.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -137,6 +140,9 @@ class HardwareProfile:
     memory_utilization: float = 0.9
     activation_reserve_bytes: float = 0.0
     device_kv_bytes: float | None = None  # set: the device KV pool, independent of weights
+    # Set: attention reads the KV context in a pass of its own at this rate, added to the
+    # roofline (superinfer/sim/cost.py); None: KV bytes are part of the roofline's memory side.
+    attention_kv_Bps: float | None = None
     sources: dict[str, str] | None = None
 
     def device_kv_budget(self, weight_bytes: float) -> float:
@@ -157,7 +163,8 @@ def load_hardware(name_or_path: str) -> HardwareProfile:
     data, where = _read("hardware", name_or_path)
     nums = {k: _number(data, k, where) for k in _HW_KEYS}
     optional = {}
-    for k in ("hbm_bytes", "memory_utilization", "activation_reserve_bytes", "device_kv_bytes"):
+    for k in ("hbm_bytes", "memory_utilization", "activation_reserve_bytes", "device_kv_bytes",
+              "attention_kv_Bps"):
         if data.get(k) is not None:
             optional[k] = _number(data, k, where, positive=k != "activation_reserve_bytes")
     if "hbm_bytes" not in optional and "device_kv_bytes" not in optional:
@@ -180,9 +187,12 @@ def load_hardware(name_or_path: str) -> HardwareProfile:
         launch_overhead_s=_number(raw_link, "launch_overhead_s", where, positive=False),
         batched_launch_overhead_s=_number(raw_link, "batched_launch_overhead_s", where,
                                           positive=False),
+        plan_overhead_s=(_number(raw_link, "plan_overhead_s", where, positive=False)
+                         if raw_link.get("plan_overhead_s") is not None else 0.0),
     )
+    link_keys = [*_LINK_KEYS, *(["plan_overhead_s"] if "plan_overhead_s" in raw_link else [])]
     sources = _check_sources(
-        data, [*_HW_KEYS, *optional, *(f"link.{k}" for k in _LINK_KEYS)], where
+        data, [*_HW_KEYS, *optional, *(f"link.{k}" for k in link_keys)], where
     )
     return HardwareProfile(
         name=str(data.get("name", where.stem)),
