@@ -9,7 +9,7 @@ PROMPT ?= Explain in one sentence why the sky is blue.
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.stamp
 
-.PHONY: venv serve generate-demo test test-all lint proto
+.PHONY: venv serve generate-demo test test-all lint proto experiment
 
 venv: $(STAMP)
 
@@ -36,6 +36,10 @@ test: venv
 
 test-all: venv
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests
+
+# The policies on the real stack, ~15 minutes: docs/results/experiment/.
+experiment: venv
+	$(BIN)/superinfer bench experiment --trace
 
 lint: venv
 	$(BIN)/ruff check .

@@ -12,6 +12,10 @@ from scheduler_svc.scheduler import SchedulerConfig
 GIB = 1 << 30
 
 
+def _optional_float(text: str) -> float | None:
+    return None if text.strip().lower() == "none" else float(text)
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
@@ -34,6 +38,7 @@ class EngineConfig:
     xfer_budget_blocks: int | None = None  # B_xfer; None = unlimited
     min_residency: int = 32  # iterations; measured in the simulator (docs/sim)
     vlt_margin: float = 0.0
+    hold_vlt: float | None = -0.5  # LVF stops skipping a new request once its VLT reaches this
     eager_budget_blocks: int = 32
     ttft_slo: float = 5.0
     tbt_slo: float = 0.1
@@ -62,7 +67,8 @@ class EngineConfig:
 
     @property
     def rotation_limits(self) -> RotationLimits:
-        return RotationLimits(self.xfer_budget_blocks, self.min_residency, self.vlt_margin)
+        return RotationLimits(self.xfer_budget_blocks, self.min_residency, self.vlt_margin,
+                              self.hold_vlt)
 
     @property
     def default_slo(self) -> SLO:
@@ -119,6 +125,9 @@ class EngineConfig:
         s.add_argument("--min-residency", type=int, default=32,
                        help="iterations a (re)admitted request is safe from rotation")
         s.add_argument("--vlt-margin", type=float, default=0.0)
+        s.add_argument("--hold-vlt", type=_optional_float, default=-0.5,
+                       help="LVF: a new request whose VLT reaches this is no longer skipped "
+                            "when it does not fit (anti-starvation; 'none': always skip)")
         s.add_argument("--eager-budget-blocks", type=int, default=32)
         s.add_argument("--ttft-slo", type=float, default=5.0, help="default TTFT SLO, seconds")
         s.add_argument("--tbt-slo", type=float, default=0.1, help="default TBT SLO, seconds")

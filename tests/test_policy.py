@@ -194,6 +194,32 @@ def test_lvf_skips_an_unservable_head_and_serves_the_next() -> None:
     assert [c.request_id for c in out.chunks] == ["small-running"]  # strict order: HOL blocked
 
 
+def test_lvf_stops_skipping_a_new_request_that_lags_past_hold_vlt() -> None:
+    """Anti-starvation: a big new request may be skipped for smaller later ones only until
+    its VLT reaches hold_vlt; from then on admission stops at it, so free blocks gather
+    for it (on the real stack, skipping alone let a 24-block prompt wait 21 s)."""
+
+    def admitted_at(now: float) -> list[str]:
+        t = [0.0]
+        s = Scheduler(
+            SchedulerConfig(num_device_blocks=6, num_host_blocks=64, block_size=4,
+                            max_batched_tokens=64, eager_budget_blocks=0),
+            make_policy("lvf", P, RotationLimits(min_residency=1000, hold_vlt=-0.5)),
+            clock=lambda: t[0],
+        )
+        s.add_request(Request("small-running", list(range(7)), SamplingParams(max_tokens=50),
+                              0.0))
+        s.update_from_output(out := s.schedule(), _sampled(out))
+        s.add_request(Request("big", list(range(19)), SamplingParams(max_tokens=5), 0.0))
+        s.add_request(Request("small", list(range(7)), SamplingParams(max_tokens=5), 0.5))
+        t[0] = now
+        return [c.request_id for c in s.schedule().chunks]
+
+    # TTFT SLO 5 s: at 1 s big's VLT is -0.8 (skipped); at 3 s it is -0.4 (holds the line).
+    assert "small" in admitted_at(1.0) and "big" not in admitted_at(1.0)
+    assert admitted_at(3.0) == ["small-running"]
+
+
 def test_lvf_rotates_out_to_free_a_seat() -> None:
     t = [0.0]
     s = Scheduler(

@@ -33,6 +33,10 @@ class RotationLimits:
     xfer_budget_blocks: int | None = None  # B_xfer: blocks rotated in+out per iteration
     min_residency: int = 0  # iterations a (re)admitted request is safe from proactive preemption
     vlt_margin: float = 0.0  # a victim must lag at least this much less than the candidate
+    # Anti-starvation for policies that skip unservable candidates: a waiting request with
+    # no token yet whose VLT reaches this is no longer skipped: admission stops there, so
+    # free blocks gather for it instead of going to later, smaller requests (None: off).
+    hold_vlt: float | None = None
 
 
 class Policy(ABC):

@@ -47,11 +47,13 @@ POLICIES = "lvf,swapped-first,waiting-first,fcfs"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default=POLICIES)
-    p.add_argument("--rates", default="0.3,0.5,0.7,0.9", help="request rates (req/s) to sweep")
-    p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per rate")
+    p.add_argument("--rates", default="0.4,1.0,1.6,2.4",
+                   help="request rates (req/s) to sweep: from under the ~0.7 req/s the small pool "
+                        "serves to ~3x over it")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
     p.add_argument("--dataset", default="sharegpt")
     p.add_argument("--max-prompt-len", type=int, default=384)
-    p.add_argument("--max-output-len", type=int, default=96)
+    p.add_argument("--max-output-len", type=int, default=64)
     p.add_argument("--length-scale", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ttft-slo", type=float, default=10.0, help="seconds (see module doc)")

@@ -92,6 +92,10 @@ def _rates(text: str) -> list[float]:
     return out
 
 
+def _optional_float(text: str) -> float | None:
+    return None if text.strip().lower() == "none" else float(text)
+
+
 def _budget(text: str) -> int | None:
     try:
         return parse_budget(text)
@@ -141,6 +145,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--min-residency", type=int, default=_D.min_residency,
                    help="iterations a (re)admitted request is safe from proactive preemption")
     s.add_argument("--vlt-margin", type=float, default=_D.vlt_margin)
+    s.add_argument("--hold-vlt", type=_optional_float, default=_D.hold_vlt,
+                   help="LVF anti-starvation threshold for new requests ('none': off)")
     s.add_argument("--eager-budget-blocks", type=_budget, default=AUTO,
                    help="eager D2H copies per iteration: a count, 0 (off) or 'auto'")
     s.add_argument("--ttft-slo", type=float, default=_D.ttft_slo, help="S_B, seconds")
@@ -178,6 +184,7 @@ def build_config(args: argparse.Namespace) -> SimConfig:
         xfer_budget_blocks=args.xfer_budget_blocks,
         min_residency=args.min_residency,
         vlt_margin=args.vlt_margin,
+        hold_vlt=args.hold_vlt,
         eager_budget_blocks=args.eager_budget_blocks,
         layout=args.layout,
         duplex=args.duplex,

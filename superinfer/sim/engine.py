@@ -70,6 +70,7 @@ class SimConfig:
     xfer_budget_blocks: int | None = AUTO  # B_xfer; None: unlimited
     min_residency: int = _ENGINE.min_residency
     vlt_margin: float = _ENGINE.vlt_margin
+    hold_vlt: float | None = _ENGINE.hold_vlt
     eager_budget_blocks: int = AUTO  # 0: no eager copies
     layout: str = "block-first"
     duplex: bool = True
@@ -128,6 +129,7 @@ _VARIANT_KEYS = {
     "min-residency": ("min_residency", int),
     "margin": ("vlt_margin", float),
     "vlt-margin": ("vlt_margin", float),
+    "hold": ("hold_vlt", "optional_float"),
     "eager": ("eager_budget_blocks", "budget"),
     "layout": ("layout", str),
     "duplex": ("duplex", "bool"),
@@ -197,6 +199,8 @@ class PolicyVariant:
                     conv = parse_budget(value)
                 elif kind == "bool":
                     conv = _parse_bool(value)
+                elif kind == "optional_float":
+                    conv = None if value.strip().lower() == "none" else float(value)
                 else:
                     conv = kind(value)  # type: ignore[operator]
             except ValueError:
@@ -279,7 +283,7 @@ class Simulator:
         policy = make_policy(
             self.policy_name,
             VLTParams(c.alpha, c.beta_b, c.beta_f),
-            RotationLimits(self.xfer_budget, c.min_residency, c.vlt_margin),
+            RotationLimits(self.xfer_budget, c.min_residency, c.vlt_margin, c.hold_vlt),
         )
         return Scheduler(self.scheduler_config(), policy, clock=clock)
 
