@@ -63,14 +63,19 @@ def _add_worker(p: argparse.ArgumentParser) -> None:
     _add_engine_flags(p, WORKER_FLAGS.__contains__)
 
 
+def _add_kvmem_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("kvmem (DuplexKV)")
+    g.add_argument("--transfer-mode", default="duplex",
+                   choices=["duplex", "block-first", "layer-first"],
+                   help="DuplexKV mode (layer-first is the vLLM 0.6 baseline)")
+    g.add_argument("--numa-node", default="auto",
+                   help="host pool NUMA node: auto (nearest the GPU), off, or a number")
+
+
 def _add_kvmem(p: argparse.ArgumentParser) -> None:
     add_daemon_arguments(p, PORTS["kvmem"])
     _add_engine_flags(p, KVMEM_FLAGS.__contains__)
-    p.add_argument("--transfer-mode", default="duplex",
-                   choices=["duplex", "block-first", "layer-first"],
-                   help="DuplexKV mode (layer-first is the vLLM 0.6 baseline)")
-    p.add_argument("--numa-node", default="auto",
-                   help="host pool NUMA node: auto (nearest the GPU), off, or a number")
+    _add_kvmem_flags(p)
 
 
 def _add_scheduler(p: argparse.ArgumentParser) -> None:
@@ -126,6 +131,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                    help="requests the gateway handles at once; past it 429 (default 1024)")
     g.add_argument("--max-body-bytes", type=int, default=None,
                    help="largest request body; past it 413 (default 4 MiB)")
+    _add_kvmem_flags(p)  # handed to kvmem by name
     s = p.add_argument_group("services (listen on 127.0.0.1)")
     s.add_argument("--scheduler-port", type=int, default=PORTS["scheduler"])
     s.add_argument("--worker-port", type=int, default=PORTS["worker"])
