@@ -29,7 +29,7 @@ from scheduler_svc.interfaces import ExecuteResult
 from scheduler_svc.remote import RemoteKVMem, RemoteWorker
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import RequestEvent, Scheduler
-from superinfer.trace import Trace
+from superinfer.trace import Trace, scheduler_load
 
 log = structlog.get_logger()
 
@@ -234,9 +234,7 @@ class ServingLoop:
                 h2d_s=reply.h2d_s if reply is not None else 0.0,
                 execute=(t_exec_start, t_exec) if out.chunks else None,
                 execute_s=result.execute_s if out.chunks else None,
-                load={"running": len(sched.running), "waiting": len(sched.waiting),
-                      "rotary": len(sched.rotary), "device_blocks_free": sched.bm.num_free_device,
-                      "host_blocks_free": sched.bm.num_free_host},
+                load=scheduler_load(sched),
             )
         self._publish(events)
         log.debug(

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import os
 import signal
+import socket
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -74,6 +75,13 @@ class PidFile:
             self.path.unlink(missing_ok=True)
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for tests and benchmarks)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def read_pid(path: Path) -> int | None:
     try:
         return int(path.read_text().strip())
@@ -88,7 +96,12 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    # A zombie (dead, not yet reaped by its parent) still answers signal 0.
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def add_daemon_arguments(p: argparse.ArgumentParser, port: int) -> None:

@@ -21,7 +21,7 @@ from superinfer.errors import ContextLengthError, InvalidRequestError
 from superinfer.modelfile import resolve_model
 from superinfer.output import OutputTracker
 from superinfer.tokenizer import Tokenizer
-from superinfer.trace import Trace
+from superinfer.trace import Trace, scheduler_load
 from worker.loader import load_weights
 from worker.model import LlamaModel
 from worker.runner import KVShape, ModelRunner, kv_block_bytes
@@ -143,7 +143,7 @@ class LLMEngine:
                 out, start, transfer=xfer, d2h_s=timing.d2h_s if timing else 0.0,
                 h2d_s=timing.h2d_s if timing else 0.0,
                 execute=(t_exec, result.execute_s) if out.chunks else None,
-                load=self._load(),
+                load=scheduler_load(sched),
             )
             now = sched.clock()
             for req in sched.finished_log[self._traced_finished:]:
@@ -190,12 +190,6 @@ class LLMEngine:
                 metrics=req.summary(time.monotonic()),
             ))
         return results
-
-    def _load(self) -> dict[str, float]:
-        s = self.scheduler
-        return {"running": len(s.running), "waiting": len(s.waiting), "rotary": len(s.rotary),
-                "device_blocks_free": s.bm.num_free_device,
-                "host_blocks_free": s.bm.num_free_host}
 
     def close(self) -> None:
         if self.trace is not None:

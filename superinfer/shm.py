@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from superinfer.daemon import pid_alive
+
 SHM_DIR = "/dev/shm"
 PAGE = mmap.PAGESIZE
 _created: set[str] = set()  # segments this process owns (its resource tracker knows them)
@@ -172,7 +174,7 @@ class SegmentRecord:
         pid, names = self._read()
         if pid is None or pid == os.getpid():
             return []
-        if (dead_pid is not None and pid != dead_pid) or _alive(pid):
+        if (dead_pid is not None and pid != dead_pid) or pid_alive(pid):
             return []
         removed = []
         for name in names:
@@ -185,18 +187,3 @@ class SegmentRecord:
                 continue
         self.path.unlink(missing_ok=True)
         return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (dead, not yet reaped by its parent) still answers signal 0.
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True

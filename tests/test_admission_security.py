@@ -37,8 +37,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proto import client_pb2, client_pb2_grpc, common_pb2
+from superinfer.daemon import free_port
 from superinfer.supervisor import ServiceSpec, Supervisor, grpc_probe, http_probe
-from tests.test_gateway import CHILD_ENV, STARTUP_TIMEOUT_S, _environment, _free_port
+from tests.test_gateway import CHILD_ENV, STARTUP_TIMEOUT_S, _environment
 
 LIMIT = 16  # --max-queued-requests
 MAX_BODY = 64 << 10  # --max-body-bytes
@@ -93,7 +94,7 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     run_dir = tmp_path_factory.mktemp("hardened-stack")
-    ports = {name: _free_port() for name in (*SERVICES, "grpc")}
+    ports = {name: free_port() for name in (*SERVICES, "grpc")}
     addr = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
     cli = [sys.executable, "-m", "superinfer.cli"]
     common = ["--run-dir", str(run_dir)]  # --host left at its default: loopback is checked

@@ -9,7 +9,6 @@ same run. Bad input must give one clear line and a non-zero exit.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from superinfer.bench.serve.prompts import TextTokenizer, fit_prompt, synthetic_
 from superinfer.bench.serve.runner import metrics_url
 from superinfer.bench.serve.stream import SSEReader, StreamOutcome, error_body_message
 from superinfer.cli import main as cli_main
+from superinfer.daemon import free_port
 from superinfer.slo_metrics import compute_metrics
 from tests import test_gateway
 from tests.test_gateway import Stack
@@ -170,14 +170,10 @@ def test_malformed_sharegpt_file(stack: Stack, tmp_path: Path,
 # -- bad input without a server -------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_unreachable_url_is_one_clear_line_from_the_cli() -> None:
-    url = f"http://127.0.0.1:{_free_port()}/v1"
+    url = f"http://127.0.0.1:{free_port()}/v1"
     p = subprocess.run([sys.executable, "-m", "superinfer.cli", "bench", "serve", "--base-url", url,
                         "--num-prompts", "2"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr
@@ -193,7 +189,7 @@ def test_unreachable_url_is_one_clear_line_from_the_cli() -> None:
 ])
 def test_bad_options_fail_before_contacting_a_server(args: list[str], message: str,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    url = f"http://127.0.0.1:{_free_port()}/v1"  # nothing listens: these must not get that far
+    url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens: these must not get that far
     assert cli_main(["bench", "serve", "--base-url", url, *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proto import client_pb2, client_pb2_grpc, common_pb2
+from superinfer.daemon import free_port
 from superinfer.supervisor import ServiceSpec, Supervisor, grpc_probe, http_probe
 
 DEVICE_BLOCKS = 256
@@ -100,10 +100,6 @@ class Stack:
         }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -123,7 +119,7 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     run_dir = tmp_path_factory.mktemp("gateway-stack")
-    ports = {name: _free_port() for name in ("worker", "kvmem", "scheduler", "http", "grpc")}
+    ports = {name: free_port() for name in ("worker", "kvmem", "scheduler", "http", "grpc")}
     addr = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
     # Started first so that it runs while the services load.
     spec_file = run_dir / "reference-in.json"

@@ -18,7 +18,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,7 +31,7 @@ import httpx
 import pytest
 
 from proto import scheduler_pb2, scheduler_pb2_grpc
-from superinfer.daemon import CHANNEL_OPTIONS
+from superinfer.daemon import CHANNEL_OPTIONS, free_port
 
 PROMPTS = [
     "The capital of France is",
@@ -50,10 +49,6 @@ START_TIMEOUT_S = 240.0
 DEVICE_BLOCKS = 24
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -107,7 +102,7 @@ def _wait_ready(serve: Serve, timeout_s: float) -> None:
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
     run_dir = tmp_path_factory.mktemp("recovery")
-    ports = {n: _free_port() for n in ("http", "scheduler", "worker", "kvmem")}
+    ports = {n: free_port() for n in ("http", "scheduler", "worker", "kvmem")}
     argv = [
         sys.executable, "-m", "superinfer.cli", "serve", "--run-dir", str(run_dir),
         "--port", str(ports["http"]), "--grpc-port", "0",

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +29,7 @@ from proto import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from superinfer.daemon import CHANNEL_OPTIONS
+from superinfer.daemon import CHANNEL_OPTIONS, free_port
 from superinfer.modelfile import resolve_model
 from superinfer.supervisor import ServiceSpec, Supervisor, grpc_probe
 from superinfer.tokenizer import Tokenizer
@@ -51,10 +50,6 @@ START_TIMEOUT_S = 240.0
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -83,7 +78,7 @@ class Stack:
 
 
 def start_stack(run_dir: Path, worker: list[str], kvmem: list[str], scheduler: list[str]) -> Stack:
-    addr = {name: f"127.0.0.1:{_free_port()}" for name in ("worker", "kvmem", "scheduler")}
+    addr = {name: f"127.0.0.1:{free_port()}" for name in ("worker", "kvmem", "scheduler")}
     base = [sys.executable, "-m", "superinfer.cli"]
     flags = {name: ["--port", addr[name].rsplit(":", 1)[1], "--run-dir", str(run_dir)]
              for name in addr}

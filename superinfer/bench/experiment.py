@@ -31,7 +31,6 @@ import os
 import platform
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,6 +40,7 @@ from typing import Any
 import httpx
 
 from superinfer.bench.report import table
+from superinfer.daemon import free_port
 
 POLICIES = "lvf,swapped-first,waiting-first,fcfs"
 
@@ -69,10 +69,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, default=300.0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def machine_facts() -> dict[str, Any]:
@@ -116,8 +112,8 @@ class Stack:
     """`superinfer serve` for one policy, on free ports, in its own run directory."""
 
     def __init__(self, policy: str, args: argparse.Namespace, run_dir: Path) -> None:
-        self.port = _free_port()
-        ports = [str(_free_port()) for _ in range(4)]
+        self.port = free_port()
+        ports = [str(free_port()) for _ in range(4)]
         argv = [
             sys.executable, "-m", "superinfer.cli", "serve",
             "--port", str(self.port), "--grpc-port", ports[0], "--scheduler-port", ports[1],

@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -25,6 +24,7 @@ import httpx
 
 from superinfer.bench.engine import PROMPTS
 from superinfer.bench.report import table, write_json
+from superinfer.daemon import free_port
 from superinfer.supervisor import ServiceSpec, Supervisor, grpc_probe, http_probe
 
 
@@ -97,14 +97,10 @@ async def _served_once(url: str, prompts: list[str], new: int) -> Measure:
                    sum(f - t0 for f in firsts) / len(firsts), _decode_rate(counts, firsts, end))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _start_stack(run_dir: Path, device_blocks: int, timeout_s: float) -> tuple[Supervisor, str]:
-    port = {n: _free_port() for n in ("worker", "kvmem", "scheduler", "http")}
+    port = {n: free_port() for n in ("worker", "kvmem", "scheduler", "http")}
     addr = {n: f"127.0.0.1:{p}" for n, p in port.items()}
     cli = [sys.executable, "-m", "superinfer.cli"]
     common = ["--run-dir", str(run_dir), "--host", "127.0.0.1"]

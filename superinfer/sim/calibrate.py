@@ -42,7 +42,6 @@ import json
 import math
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -50,6 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from superinfer.daemon import free_port
 from superinfer.sim.engine import SimConfig, Simulator
 from superinfer.sim.profile import PROFILE_DIR, load_hardware, load_model
 
@@ -81,10 +81,6 @@ CASES: list[tuple[str, list[tuple[int, int]]]] = [  # (name, [(start_pos, tokens
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- iterations ---------------------------------------------------------------------------------
@@ -292,7 +288,7 @@ class _Services:
     def start(self, name: str, argv: list[str]) -> str:
         from superinfer.supervisor import ServiceSpec, Supervisor, grpc_probe
 
-        port = _free_port()
+        port = free_port()
         addr = f"127.0.0.1:{port}"
         print(f"calibrate: starting {name} …", file=sys.stderr, flush=True)
         sup = self.running[name] = Supervisor(self.run_dir)

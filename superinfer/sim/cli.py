@@ -33,6 +33,7 @@ from superinfer.sim.engine import (
     parse_budget,
     simulate,
 )
+from superinfer.sim.plots import attainment_figure
 from superinfer.sim.profile import (
     HardwareProfile,
     ModelProfile,
@@ -269,35 +270,20 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
     labels = list(dict.fromkeys(r["policy"] for r in rows))
     # Policies often coincide (no memory pressure: no rotation): vary the line style and
     # marker size so that overlapping curves stay visible.
     styles = ["-", "--", "-.", ":"]
-    for ax, key, name in ((axes[0], "ttft_attainment", "TTFT SLO attainment"),
-                          (axes[1], "tbt_attainment", "TBT SLO attainment")):
+
+    def draw(ax: Any, key: str) -> None:
         for j, label in enumerate(labels):
             pts = sorted((r["rps"], r[key]) for r in rows if r["policy"] == label)
             xs = [x for x, y in pts if y is not None]
             ys = [100 * y for x, y in pts if y is not None]
             ax.plot(xs, ys, marker="os^Dv<>p"[j % 8], markersize=max(3, 8 - j),
                     linestyle=styles[j % len(styles)], label=label)
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel(f"{name} (%)")
-        ax.set_ylim(-2, 102)
-        ax.grid(alpha=0.3)
-        ax.set_title(name)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+
+    attainment_figure(path, title, draw)
 
 
 def run(args: argparse.Namespace) -> int:

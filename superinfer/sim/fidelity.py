@@ -38,6 +38,7 @@ from typing import Any
 from superinfer.config import EngineConfig
 from superinfer.errors import SuperInferError
 from superinfer.sim.engine import SimConfig, SimResult, SimulationError, Simulator
+from superinfer.sim.plots import attainment_figure
 from superinfer.sim.profile import HardwareProfile, ModelProfile, load_hardware, load_model
 from superinfer.workload import SYNTHETIC, TraceRequest, WorkloadSpec, build_trace
 
@@ -365,15 +366,11 @@ def _trace_word(c: dict[str, Any]) -> str:
 def plot(report: dict[str, Any], path: str, title: str) -> None:
     import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = report["rows"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
     labels = list(dict.fromkeys(r["policy"] for r in rows))
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, key, name in ((axes[0], "ttft_attainment", "TTFT SLO attainment"),
-                          (axes[1], "tbt_attainment", "TBT SLO attainment")):
+    colours = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+
+    def draw(ax: Any, key: str) -> None:
         for j, label in enumerate(labels):
             mine = sorted((r for r in rows if r["policy"] == label), key=lambda r: r["rps"])
             for side, style, marker in (("real", "-", "o"), ("sim", "--", "x")):
@@ -381,17 +378,8 @@ def plot(report: dict[str, Any], path: str, title: str) -> None:
                        if r[f"{key}_{side}"] is not None]
                 ax.plot([x for x, _ in pts], [y for _, y in pts], linestyle=style,
                         marker=marker, color=colours[j % len(colours)], label=f"{label} ({side})")
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel(f"{name} (%)")
-        ax.set_ylim(-2, 102)
-        ax.grid(alpha=0.3)
-        ax.set_title(name)
-    axes[0].legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+
+    attainment_figure(path, title, draw, legend_size=7)
 
 
 def run(args: argparse.Namespace) -> int:
