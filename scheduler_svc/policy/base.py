@@ -79,6 +79,11 @@ class Policy(ABC):
         """Running requests, most deserving first; preemption victims come from the tail."""
         return sorted(running, key=lambda r: self.running_merge_key(r, now))
 
+    def holds_the_line(self, candidate: Request, now: float) -> bool:
+        """For policies that skip unservable candidates: must admission stop at this one
+        instead (anti-starvation, `RotationLimits.hold_vlt`)?"""
+        return False
+
     def may_preempt(self, victim: Request, candidate: Request, now: float) -> bool:
         """May `victim` be rotated out to make room for `candidate` (proactive preemption)?
 
