@@ -12,7 +12,7 @@ strided view) falls back to `copy_`.
 glibc switches `memmove` to non-temporal stores only above
 `glibc.cpu.x86_non_temporal_threshold` (~114 MiB here), so one huge copy writes ~1.5x
 faster than the same bytes in 4 MiB blocks; a process that mostly moves KV blocks (the
-kvmem daemon) should lower it, e.g. `GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x40000`.
+kvmem daemon) should lower it, as it does (kvmem_svc/tunables.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,10 @@ glibc's `memmove` switches to non-temporal stores (which bypass the caches) only
 than any cache, where they are not read again soon, so cached stores only evict useful
 lines and cost write-allocate reads: one 512 MiB memmove ran ~1.5x faster than the same
 bytes as 4 MiB blocks (`superinfer bench transfer --nt-threshold default`). kvmem lowers
-the threshold to 256 KiB. glibc reads tunables only at process start, so the daemon
+the threshold to 64 KiB: in six interleaved `bench transfer` runs (Qwen2.5-32B shape, 4 MiB
+blocks) block-first reached 0.93-0.97 of one raw copy with 64 KiB and 0.83-0.93 with
+256 KiB; the 720 KiB blocks of the bundled model moved alike with both (0.79-0.91 of raw).
+It stays above one layer's K or V of a bundled-model block (12 KiB). glibc reads tunables only at process start, so the daemon
 re-executes itself once with them set (same pid, same arguments) before it loads anything.
 """
 
@@ -17,7 +20,7 @@ import platform
 import sys
 
 NT_KEY = "glibc.cpu.x86_non_temporal_threshold"
-NT_THRESHOLD = "0x40000"  # 256 KiB: below one layer-group of a block, above small copies
+NT_THRESHOLD = "0x10000"  # 64 KiB: every whole-block copy, not the small ones
 _DONE = "SUPERINFER_KVMEM_TUNED"
 
 

@@ -230,3 +230,26 @@ def test_clock_cap_counts_every_request() -> None:
     assert res.metrics.requests == len(trace)  # type: ignore[attr-defined]
     assert res.stats["unfinished"] > 0  # type: ignore[attr-defined]
     assert res.metrics.completed < len(trace)  # type: ignore[attr-defined]
+
+
+def test_starvation_breakdown_counts_stalls_and_drained_misses() -> None:
+    """docs/sim/starvation.py: the evidence behind finding (b) must count what it says."""
+    import importlib.util
+
+    from superinfer.slo_metrics import RequestRecord
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "sim" / "starvation.py"
+    spec = importlib.util.spec_from_file_location("starvation", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    recs = [
+        RequestRecord("a", 0.0, [0.5, 0.55, 30.55], 5.0, 0.1, prompt_tokens=40),  # one 30 s stall
+        RequestRecord("b", 1.0, [12.0, 12.05], 5.0, 0.1, prompt_tokens=600),  # served after end
+        RequestRecord("c", 2.0, [], 5.0, 0.1, prompt_tokens=300, finished=False),  # never served
+    ]
+    b = mod.breakdown(recs, arrivals_end_s=10.0)
+    assert (b["ttft_misses"], b["ttft_misses_long_prompt"], b["ttft_misses_after_arrivals_end"]) == (2, 2, 2)
+    assert b["gaps"] == 3 and b["missed_gaps"] == 1
+    assert b["stall_s"] == pytest.approx(30.0) and b["max_gap_s"] == pytest.approx(30.0)
+    assert b["median_prompt_hit"] == 40

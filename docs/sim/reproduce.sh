@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every table and figure in docs/sim/README.md. Run from the repository root:
 #   bash docs/sim/reproduce.sh            # all experiments (~1 h on 2 busy cores)
-#   bash docs/sim/reproduce.sh fig16      # one of: fig16 fig16-96 minres ablation xfer vlt pcie whatif whatif-more whatif-pcie
+#   bash docs/sim/reproduce.sh fig16      # one of: fig16 fig16-96 fig16-96-res256 minres starvation ablation xfer vlt pcie whatif whatif-more whatif-pcie
 set -uo pipefail
 SIM="${SIM:-.venv/bin/python -m superinfer.sim.cli sim}"
 OUT=docs/sim
@@ -18,9 +18,16 @@ want fig16 && run fig16_gh200 --hardware gh200 $BASE --rps $RATES --policies $PO
   --json $OUT/fig16_gh200.json --plot $OUT/fig16_gh200.png
 want fig16-96 && run fig16_gh200_96gb --hardware gh200-96gb $BASE --rps $RATES --policies $POL4 \
   --json $OUT/fig16_gh200_96gb.json --plot $OUT/fig16_gh200_96gb.png
-want minres && run minres --hardware gh200-96gb $BASE --rps 14,17 \
-  --policies lvf:min_res=2,lvf:min_res=8,lvf:min_res=32,lvf:min_res=128,lvf:min_res=32:margin=2 \
+want fig16-96-res256 && run fig16_gh200_96gb_res256 --hardware gh200-96gb $BASE --rps $RATES \
+  --policies lvf:min_res=256:label=lvf-res256,$POL4 \
+  --json $OUT/fig16_gh200_96gb_res256.json --plot $OUT/fig16_gh200_96gb_res256.png
+want minres && run minres --hardware gh200-96gb $BASE --rps 14,17,20 \
+  --policies lvf:min_res=8,lvf:min_res=32,lvf:min_res=64,lvf:min_res=128,lvf:min_res=256,lvf:min_res=512,lvf:min_res=1024,lvf:min_res=32:margin=2 \
   --json $OUT/minres.json
+want starvation && { echo "== starvation"; .venv/bin/python $OUT/starvation.py \
+  --hardware gh200-96gb $BASE --rps 14,20 \
+  --policies lvf,lvf:min_res=256:label=lvf-res256,swapped-first,waiting-first,waiting-first:min_res=256:label=wf-res256,fcfs \
+  --json $OUT/starvation.json > $OUT/starvation.txt 2>&1; tail -1 $OUT/starvation.txt; }
 want ablation && run ablation --hardware gh200-96gb $BASE --rps 8,11,14,17 \
   --policies "swapped-first:$VLLM:label=sf+vllm-offload,lvf:$VLLM:xfer=300:label=lvf+vllm-offload-B300,lvf:$VLLM:xfer=2400:label=lvf+vllm-offload-B2400,lvf:xfer=2400:label=lvf+DuplexKV-B2400,swapped-first:label=sf+DuplexKV" \
   --json $OUT/ablation.json --plot $OUT/ablation.png
