@@ -6,11 +6,16 @@ glibc's `memmove` switches to non-temporal stores (which bypass the caches) only
 than any cache, where they are not read again soon, so cached stores only evict useful
 lines and cost write-allocate reads: one 512 MiB memmove ran ~1.5x faster than the same
 bytes as 4 MiB blocks (`superinfer bench transfer --nt-threshold default`). kvmem lowers
-the threshold to 64 KiB: in six interleaved `bench transfer` runs (Qwen2.5-32B shape, 4 MiB
-blocks) block-first reached 0.93-0.97 of one raw copy with 64 KiB and 0.83-0.93 with
-256 KiB; the 720 KiB blocks of the bundled model moved alike with both (0.79-0.91 of raw).
-It stays above one layer's K or V of a bundled-model block (12 KiB). glibc reads tunables only at process start, so the daemon
-re-executes itself once with them set (same pid, same arguments) before it loads anything.
+the threshold to 32 KiB. Measured here (block-first through DuplexEngine against one raw
+memmove of the same bytes, each pair of settings in alternating processes, 5-6 runs):
+4 MiB blocks (Qwen2.5-32B shape) reach 0.93-0.98 of raw with 32 or 64 KiB and 0.83-0.93
+with 256 KiB; 720 KiB blocks (the bundled model) 0.90-0.95 with 32 KiB and 0.85-0.89 with
+64 KiB. That fits glibc's memmove taking its 4-page non-temporal loop only for copies of
+at least 16x the threshold (after aligning the destination): 32 KiB puts every block of
+512 KiB or more there. Smaller copies of 32 KiB or more (a layer-first segment of a
+Qwen2.5-32B block) get non-temporal stores too. glibc reads tunables only at process
+start, so the daemon re-executes itself once with them set (same pid, same arguments)
+before it loads anything.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import platform
 import sys
 
 NT_KEY = "glibc.cpu.x86_non_temporal_threshold"
-NT_THRESHOLD = "0x10000"  # 64 KiB: every whole-block copy, not the small ones
+NT_THRESHOLD = "0x8000"  # 32 KiB: whole blocks of >= 512 KiB take the 4-page loop
 _DONE = "SUPERINFER_KVMEM_TUNED"
 
 

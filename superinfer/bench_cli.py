@@ -10,6 +10,8 @@ BENCHES = {
     "engine": ("superinfer.bench.engine", "decode throughput and TTFT vs transformers"),
     "sched": ("superinfer.bench.sched", "cost of one scheduling decision"),
     "transfer": ("superinfer.bench.transfer", "KV block transfer GB/s per DuplexKV mode vs raw"),
+    "transfer-modes": ("superinfer.bench.transfer_modes",
+                       "time waiting on KV transfers per DuplexKV mode, real services"),
     "overhead": ("superinfer.bench.serve_overhead",
                  "decode throughput through the services vs in-process"),
     "serve": ("superinfer.bench.serve", "load benchmark of an OpenAI-compatible server"),

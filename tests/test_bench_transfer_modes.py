@@ -1,0 +1,49 @@
+"""`superinfer bench transfer-modes`: transfer wait per DuplexKV mode from the real services."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from superinfer.bench.transfer_modes import summarize
+
+TRIAL = Path(__file__).parent / "data" / "experiment_trial.json"
+
+
+def test_summarize_reads_the_schedulers_counters() -> None:
+    row = json.loads(TRIAL.read_text())["results"][0]
+    m = row["stats"]["server_metrics_delta"]
+    s = summarize("duplex", row)
+    wait = m["superinfer_scheduler_transfer_s"]
+    assert s["iterations"] == m["superinfer_scheduler_iterations"]
+    assert s["transfer_batches"] == m["superinfer_scheduler_transfers"]
+    assert s["wait_per_iteration_ms"] == pytest.approx(1e3 * wait / s["iterations"])
+    assert s["wait_per_batch_ms"] == pytest.approx(1e3 * wait / s["transfer_batches"])
+    assert 0 < s["share_of_iteration_time"] < 1
+    assert s["ttft_attainment"] == row["ttft_attainment"]
+
+
+def test_a_pass_without_server_metrics_is_refused() -> None:
+    with pytest.raises(ValueError, match="server_metrics_delta"):
+        summarize("duplex", {"stats": {}})
+
+
+@pytest.mark.slow
+def test_two_modes_on_the_real_stack(tmp_path: Path) -> None:
+    """Both modes move blocks under rotation pressure and the table says how long it waited."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    rc = subprocess.call([sys.executable, "-m", "superinfer.cli", "bench", "transfer-modes",
+                          "--modes", "layer-first,duplex", "--rate", "2", "--duration", "8",
+                          "--out", str(tmp_path)], env=env)
+    assert rc == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["layer-first", "duplex"]
+    for r in rows:
+        assert r["transfer_batches"] > 0 and r["mib_h2d"] + r["mib_d2h"] > 0
+        assert r["wait_per_iteration_ms"] > 0
+    assert "wait_per_iteration_ms" in (tmp_path / "table.md").read_text()
