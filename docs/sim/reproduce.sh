@@ -34,8 +34,9 @@ want ablation && run ablation --hardware gh200-96gb $BASE --rps 8,11,14,17 \
 want ablation-xfer && run ablation_xfer --hardware gh200-96gb $BASE --rps 11,14,17 \
   --policies "swapped-first:$VLLM:label=sf+vllm,lvf:$VLLM:xfer=20:label=lvf+vllm-B20,lvf:$VLLM:xfer=60:label=lvf+vllm-B60,lvf:$VLLM:xfer=150:label=lvf+vllm-B150,lvf:$VLLM:xfer=2400:label=lvf+vllm-B2400,lvf:$VLLM:xfer=60:min_res=256:label=lvf+vllm-B60-r256,lvf:$VLLM:xfer=2400:min_res=256:label=lvf+vllm-B2400-r256" \
   --json $OUT/ablation_xfer.json --plot $OUT/ablation_xfer.png
-want xfer && run xfer --hardware gh200-96gb $BASE --rps 11,14,17 \
-  --policies lvf:xfer=150,lvf:xfer=600,lvf:xfer=2400,lvf:xfer=none --json $OUT/xfer.json
+want xfer && run xfer --hardware gh200-96gb $BASE --rps 14,17,20 \
+  --policies lvf:xfer=50,lvf:xfer=150,lvf:xfer=600,lvf:xfer=2400,lvf:xfer=none,lvf:xfer=50:min_res=256,lvf:xfer=150:min_res=256,lvf:xfer=600:min_res=256,lvf:xfer=2400:min_res=256 \
+  --json $OUT/xfer.json
 want vlt && run vlt --hardware gh200-96gb $BASE --rps 11,14 \
   --policies lvf:alpha=1,lvf:alpha=3:label=lvf-default,lvf:alpha=9,lvf:beta_f=0.2,lvf:beta_f=0.8,lvf:beta_b=0.3,lvf:beta_b=0.6 \
   --json $OUT/vlt.json
