@@ -37,8 +37,8 @@ want ablation-xfer && run ablation_xfer --hardware gh200-96gb $BASE --rps 11,14,
 want xfer && run xfer --hardware gh200-96gb $BASE --rps 14,17,20 \
   --policies lvf:xfer=50,lvf:xfer=150,lvf:xfer=600,lvf:xfer=2400,lvf:xfer=none,lvf:xfer=50:min_res=256,lvf:xfer=150:min_res=256,lvf:xfer=600:min_res=256,lvf:xfer=2400:min_res=256 \
   --json $OUT/xfer.json
-want vlt && run vlt --hardware gh200-96gb $BASE --rps 11,14 \
-  --policies lvf:alpha=1,lvf:alpha=3:label=lvf-default,lvf:alpha=9,lvf:beta_f=0.2,lvf:beta_f=0.8,lvf:beta_b=0.3,lvf:beta_b=0.6 \
+want vlt && run vlt --hardware gh200-96gb $BASE --rps 14,20 \
+  --policies lvf:alpha=1,lvf:alpha=3:label=lvf-default,lvf:alpha=9,lvf:beta_f=0.2,lvf:beta_f=0.8,lvf:beta_b=0.3,lvf:beta_b=0.6,lvf:min_res=256:alpha=1,lvf:min_res=256:label=r256-default,lvf:min_res=256:alpha=9,lvf:min_res=256:beta_f=0.2,lvf:min_res=256:beta_f=0.8,lvf:min_res=256:beta_b=0.3,lvf:min_res=256:beta_b=0.6 \
   --json $OUT/vlt.json
 want pcie && run fig16_h100_pcie --hardware h100-pcie $BASE --rps 2,4,6,8,11,14 --policies $POL4 \
   --json $OUT/fig16_h100_pcie.json --plot $OUT/fig16_h100_pcie.png
