@@ -1,7 +1,9 @@
-"""`/health` and `/metrics`: what load balancers and Prometheus poll.
+"""`/health`, `/livez` and `/metrics`: what load balancers, supervisors and Prometheus poll.
 
-Health asks the scheduler every time (a cached "ok" would hide a scheduler restart),
-and is only healthy once the tokenizer is loaded too, i.e. when a request would work.
+Health (readiness) asks the scheduler every time (a cached "ok" would hide a scheduler
+restart), and is only healthy once the tokenizer is loaded too, i.e. when a request would
+work. `/livez` (liveness) only says the gateway's event loop runs: it touches nothing
+else, so a scheduler outage never makes a working gateway look dead.
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ async def health(request: Request) -> JSONResponse:
         unhealthy = e if e.status == 503 else APIError(503, e.message, code=e.code)
         return JSONResponse(unhealthy.body(), status_code=503, headers=unhealthy.headers)
     return JSONResponse({"status": "ok", "model": model.served_name, "in_flight": len(ctx.active)})
+
+
+@router.get("/livez")
+async def livez() -> JSONResponse:
+    return JSONResponse({"status": "alive"})
 
 
 @router.get("/metrics")

@@ -26,7 +26,9 @@ from superinfer.supervisor import (
     ServiceSpec,
     Supervisor,
     die_with_supervisor,
+    grpc_alive,
     grpc_probe,
+    http_alive,
     http_probe,
 )
 
@@ -150,6 +152,9 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     r.add_argument("--restart-window", type=float, default=120.0, help="seconds")
     r.add_argument("--restart-backoff", type=float, default=0.5,
                    help="first restart delay, seconds; doubles per death up to 10 s")
+    r.add_argument("--liveness-timeout", type=float, default=30.0,
+                   help="kill and restart a service that answers no health check for this "
+                        "many seconds (hung or stopped); 0 turns the check off")
     EngineConfig.add_arguments(p)
 
 
@@ -179,15 +184,16 @@ def service_specs(args: argparse.Namespace) -> list[ServiceSpec]:
     specs = [
         ServiceSpec("worker", [*base, "worker", *_argv_for(_add_worker, {
             **common, "port": args.worker_port})], grpc_probe(addr["worker"]),
-            run_dir / "worker.pid", stop_stage=0),
+            run_dir / "worker.pid", stop_stage=0, alive=grpc_alive(addr["worker"])),
         ServiceSpec("kvmem", [*base, "kvmem", *_argv_for(_add_kvmem, {
             **common, "port": args.kvmem_port})], grpc_probe(addr["kvmem"]),
-            run_dir / "kvmem.pid", stop_stage=1),
+            run_dir / "kvmem.pid", stop_stage=1, alive=grpc_alive(addr["kvmem"])),
         # Stops together with the gateway: its drain ends the gateway's streams cleanly.
         ServiceSpec("scheduler", [*base, "scheduler", *_argv_for(_add_scheduler, {
             **common, "port": args.scheduler_port, "worker_addr": addr["worker"],
             "kvmem_addr": addr["kvmem"], "connect_timeout": args.startup_timeout})],
-            grpc_probe(addr["scheduler"]), run_dir / "scheduler.pid", stop_stage=2),
+            grpc_probe(addr["scheduler"]), run_dir / "scheduler.pid", stop_stage=2,
+            alive=grpc_alive(addr["scheduler"])),
     ]
     gateway = _gateway_module()
     if gateway is not None:
@@ -195,7 +201,9 @@ def service_specs(args: argparse.Namespace) -> list[ServiceSpec]:
         specs.append(ServiceSpec("gateway", [*base, "gateway", *_argv_for(gateway.add_arguments, {
             **vars(args), "scheduler_addr": addr["scheduler"]})],
             http_probe(f"http://{probe_host}:{args.port}/health"), run_dir / "gateway.pid",
-            stop_stage=2))
+            # /livez, not /health: /health asks the scheduler, and a stopped scheduler must
+            # not get a working gateway killed.
+            stop_stage=2, alive=http_alive(f"http://{probe_host}:{args.port}/livez")))
     return specs
 
 
@@ -220,7 +228,11 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"superinfer serve: error: {e}", file=sys.stderr)
         return 2
     # A stage stops once its drain is over: the grace period, plus time to unwind.
-    sup = Supervisor(run_dir, stop_timeout_s=args.shutdown_grace + 10.0)
+    if args.liveness_timeout < 0:
+        print("superinfer serve: error: --liveness-timeout must be >= 0", file=sys.stderr)
+        return 2
+    sup = Supervisor(run_dir, stop_timeout_s=args.shutdown_grace + 10.0,
+                     liveness_timeout_s=args.liveness_timeout)
     specs = service_specs(args)
     signal.signal(signal.SIGTERM, _on_sigterm)
     rc = 0

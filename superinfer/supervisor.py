@@ -3,7 +3,10 @@
 One `Supervisor` owns the child processes. It starts them in dependency order and waits
 until each says it is ready (gRPC health SERVING, or HTTP 200). `wait()` watches them:
 with a `RestartPolicy` it restarts a child that dies, after an exponential backoff, and
-gives up once a child died too often within a window; every step is a JSON log line. The
+gives up once a child died too often within a window; every step is a JSON log line.
+With a liveness timeout it also kills (and so restarts) a child that stays alive but stops
+answering its health check for that long: a hung or stopped process, which would otherwise
+stall the others forever. The
 other services reconnect by themselves (DESIGN §6). A child killed with SIGKILL leaves
 its pid file and, for the worker, its shared-memory segment behind: the supervisor
 removes both. `stop_all()` stops the children in stages, SIGTERM then SIGKILL after a
@@ -35,13 +38,21 @@ from superinfer.shm import SegmentRecord
 
 Probe = Callable[[], bool]
 SUPERVISOR_ENV = "SUPERINFER_SUPERVISOR_PID"
+# Probe channels retry a refused connection within 0.1-1 s, not gRPC's default backoff
+# (1 s growing to 120 s), which would hide a restarted service from its probes for minutes.
+PROBE_CHANNEL_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 log = structlog.get_logger()
 
 
 def grpc_probe(addr: str) -> tuple[Probe, Callable[[], None]]:
     """(is it SERVING?, close) for the gRPC health service at `addr`."""
-    channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
+    channel = grpc.insecure_channel(addr, options=PROBE_CHANNEL_OPTIONS)
     stub = health_pb2_grpc.HealthStub(channel)
 
     def probe() -> bool:
@@ -52,6 +63,36 @@ def grpc_probe(addr: str) -> tuple[Probe, Callable[[], None]]:
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
     return probe, channel.close
+
+
+def grpc_alive(addr: str, timeout_s: float = 2.0) -> tuple[Probe, Callable[[], None]]:
+    """(does it answer its health check at all?, close): liveness, whatever the status.
+
+    A service may say NOT_SERVING for a while (draining, waiting for a peer); only no
+    answer within `timeout_s` means the process is not running its event loop."""
+    channel = grpc.insecure_channel(addr, options=PROBE_CHANNEL_OPTIONS)
+    stub = health_pb2_grpc.HealthStub(channel)
+
+    def alive() -> bool:
+        try:
+            stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+        return True
+
+    return alive, channel.close
+
+
+def http_alive(url: str, timeout_s: float = 2.0) -> tuple[Probe, Callable[[], None]]:
+    """Liveness over HTTP (the gateway's /livez): any response within `timeout_s`."""
+    def alive() -> bool:
+        try:
+            httpx.get(url, timeout=timeout_s, trust_env=False)
+        except httpx.HTTPError:
+            return False
+        return True
+
+    return alive, lambda: None
 
 
 def http_probe(url: str) -> tuple[Probe, Callable[[], None]]:
@@ -73,6 +114,8 @@ class ServiceSpec:
     # stop_all() stops higher stages first, a stage's children together; default: its
     # position in start order (the last started stops first).
     stop_stage: int | None = None
+    # (answers at all?, close): checked while up when the supervisor has a liveness timeout.
+    alive: tuple[Probe, Callable[[], None]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +158,9 @@ class _Child:
     started: float = field(default_factory=time.monotonic)
     deaths: list[float] = field(default_factory=list)  # monotonic times, within the window
     restarts: int = 0
+    alive_at: float = field(default_factory=time.monotonic)  # last answered liveness check
+    next_alive_check: float = 0.0
+    killed_because: str | None = None  # why the supervisor killed it, for the exit log
 
 
 def exit_reason(code: int | None) -> str:
@@ -131,6 +177,9 @@ def exit_reason(code: int | None) -> str:
 class Supervisor:
     run_dir: Path
     stop_timeout_s: float = 10.0
+    # Kill a child that has not answered its liveness check for this long (0: never).
+    liveness_timeout_s: float = 0.0
+    liveness_interval_s: float = 2.0
     children: list[_Child] = field(default_factory=list)
 
     def _spawn(self, spec: ServiceSpec, out: IO[bytes]) -> subprocess.Popen[bytes]:
@@ -157,6 +206,7 @@ class Supervisor:
                 raise ServiceFailed(spec.name, f"{exit_reason(proc.returncode)} while starting",
                                     self.tail(child))
             if probe():
+                child.alive_at = time.monotonic()
                 return
             if time.monotonic() > deadline:
                 raise ServiceFailed(spec.name, f"not ready after {timeout_s:.0f} s",
@@ -195,15 +245,18 @@ class Supervisor:
         if code is None:
             if child.state == "starting":
                 if child.spec.probe[0]():
-                    child.state = "up"
+                    child.state, child.alive_at = "up", now
                     log.info("service_restarted", service=name, pid=child.proc.pid,
                              ready_s=round(now - child.started, 2), restart=child.restarts)
                 elif now > child.due:
                     log.error("service_not_ready", service=name, pid=child.proc.pid,
                               timeout_s=startup_timeout_s)
                     child.proc.kill()  # counted as a death on the next look
+            elif self.liveness_timeout_s > 0:
+                self._check_alive(child, now)
             return None
-        why = exit_reason(code)
+        why = child.killed_because or exit_reason(code)
+        child.killed_because = None
         self._cleanup_after(child)
         if policy is None:
             return ServiceFailed(name, why, self.tail(child))
@@ -221,6 +274,24 @@ class Supervisor:
                     deaths_in_window=len(child.deaths))
         child.state, child.due = "backoff", now + delay
         return None
+
+    def _check_alive(self, child: _Child, now: float) -> None:
+        """Kill a child that stopped answering: its death then takes the restart path."""
+        if child.spec.alive is None or now < child.next_alive_check:
+            return
+        child.next_alive_check = now + self.liveness_interval_s
+        if child.spec.alive[0]():
+            child.alive_at = time.monotonic()
+            return
+        silent = time.monotonic() - child.alive_at
+        if silent < self.liveness_timeout_s:
+            return
+        log.error("service_unresponsive", service=child.spec.name, pid=child.proc.pid,
+                  silent_s=round(silent, 1), timeout_s=self.liveness_timeout_s,
+                  action="SIGKILL, then restart as after any death")
+        child.killed_because = (f"stopped answering its health check for {silent:.0f} s "
+                                f"(--liveness-timeout {self.liveness_timeout_s:g}); killed")
+        child.proc.kill()
 
     def _cleanup_after(self, child: _Child) -> None:
         """What a child killed by a signal could not remove: pid file, shared memory."""
@@ -254,6 +325,8 @@ class Supervisor:
                     proc.wait()
                 child.out.close()
                 child.spec.probe[1]()
+                if child.spec.alive is not None:
+                    child.spec.alive[1]()
                 self._cleanup_after(child)
         self.children.clear()
 

@@ -185,6 +185,8 @@ def test_no_scheduler_means_503_everywhere_but_metrics(tmp_path: Path) -> None:
         assert r.status_code == 400  # validation needs no scheduler
         r = await c.get("/metrics")
         assert r.status_code == 200 and "superinfer_scheduler_up 0.0" in r.text
+        r = await c.get("/livez")  # the supervisor's liveness check: the gateway itself runs
+        assert r.status_code == 200 and r.json() == {"status": "alive"}
 
     _run(tmp_path, body, scheduler=False)
 

@@ -4,6 +4,8 @@ One real `superinfer serve` (worker, kvmem, scheduler, gateway) with a small dev
 so that requests rotate and host copies exist. Clients stream greedy completions over
 the OpenAI API while a service is killed with SIGKILL:
 * worker, then kvmem: every request completes with the text of an undisturbed run;
+* kvmem stopped with SIGSTOP (alive, silent): the supervisor kills it once it has answered
+  no health check for --liveness-timeout, restarts it, and every request completes as above;
 * scheduler: in-flight streams end with a clear error event, the gateway answers 503
   with Retry-After while it is down and serves again once the supervisor restarted it;
   the worker and kvmem keep running.
@@ -47,6 +49,7 @@ MAX_TOKENS = 64
 START_TIMEOUT_S = 240.0
 # 8 requests of ~5 blocks against 24 device blocks: rotation all the way through.
 DEVICE_BLOCKS = 24
+LIVENESS_TIMEOUT_S = 3.0
 
 
 
@@ -109,6 +112,7 @@ def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
         "--scheduler-port", str(ports["scheduler"]), "--worker-port", str(ports["worker"]),
         "--kvmem-port", str(ports["kvmem"]), "--device-blocks", str(DEVICE_BLOCKS),
         "--host-blocks", "256", "--restart-backoff", "0.1", "--shutdown-grace", "2",
+        "--liveness-timeout", str(LIVENESS_TIMEOUT_S),
     ]
     with (run_dir / "serve.out").open("wb") as out, (run_dir / "serve.err").open("wb") as err:
         proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
@@ -274,6 +278,37 @@ def test_kill_worker_then_kvmem_under_load(serve: Serve) -> None:
     print(f"scheduler: {c['resumed_swap_in']:.0f} requests resumed by swap-in, "
           f"{c['resumed_recompute']:.0f} by recompute; last outage {c['last_outage_s']:.2f} s")
     assert not os.path.exists(f"/dev/shm/{old_segment}")  # the dead worker's pool is gone
+    assert_clean(serve)
+
+
+def test_stopped_kvmem_is_killed_and_restarted_under_load(serve: Serve) -> None:
+    if not REFERENCE:
+        pytest.skip("needs test_undisturbed_reference")
+    pids: dict[str, int] = {}
+    times: dict[str, float] = {}
+
+    async def chaos(streams: list[Stream], tasks: list[asyncio.Task[Stream]]) -> None:
+        await until(lambda: min(len(s.token_times) for s in streams) >= 24)  # rotating by now
+        pids["old"] = pid = serve.pid("kvmem")
+        os.kill(pid, signal.SIGSTOP)
+        t = time.monotonic()
+        pids["new"] = await asyncio.to_thread(wait_restarted, serve, "kvmem", pid)
+        times["restarted"] = time.monotonic() - t
+
+    try:
+        streams = run_load(serve, PROMPTS, chaos)
+    finally:
+        if "old" in pids and "new" not in pids:
+            os.kill(pids["old"], signal.SIGCONT)  # never leave a stopped process behind
+    print(f"\nSIGSTOP kvmem -> restarted: {times['restarted']:.2f} s "
+          f"(--liveness-timeout {LIVENESS_TIMEOUT_S:g})")
+    [event] = [e for e in serve.log_events("supervisor", "service_unresponsive")
+               if e["pid"] == pids["old"]]
+    assert event["service"] == "kvmem" and event["silent_s"] >= LIVENESS_TIMEOUT_S
+    assert times["restarted"] >= LIVENESS_TIMEOUT_S
+    for p, s in zip(PROMPTS, streams, strict=True):
+        assert s.error is None and s.finish_reason == "length" and s.done
+        assert s.text == REFERENCE[p], f"{p!r} changed by the restart"
     assert_clean(serve)
 
 

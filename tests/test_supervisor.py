@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,72 @@ def test_reaper_unlinks_a_killed_workers_segment_and_spares_a_live_one(tmp_path:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _health_server(port: int, status: str, freeze_after_s: float | None = None) -> str:
+    """A real gRPC health service (as every service has) reporting `status`; with
+    `freeze_after_s` it then SIGSTOPs itself: alive to the kernel, silent to clients."""
+    code = (
+        "import grpc, os, signal, time\n"
+        "from concurrent import futures\n"
+        "from grpc_health.v1 import health, health_pb2, health_pb2_grpc\n"
+        "server = grpc.server(futures.ThreadPoolExecutor(2))\n"
+        "h = health.HealthServicer()\n"
+        "health_pb2_grpc.add_HealthServicer_to_server(h, server)\n"
+        f"server.add_insecure_port('127.0.0.1:{port}')\n"
+        "server.start()\n"
+        f"h.set('', health_pb2.HealthCheckResponse.{status})\n"
+    )
+    if freeze_after_s is not None:
+        code += f"time.sleep({freeze_after_s})\nos.kill(os.getpid(), signal.SIGSTOP)\n"
+    return code + "server.wait_for_termination()\n"
+
+
+def _grpc_service(name: str, code_for_port: Callable[[int], str], timeout_s: float = 0.3) -> ServiceSpec:
+    from superinfer.daemon import free_port
+    from superinfer.supervisor import grpc_alive, grpc_probe
+
+    port = free_port()
+    addr = f"127.0.0.1:{port}"
+    return ServiceSpec(name, [sys.executable, "-c", code_for_port(port)], grpc_probe(addr),
+                       alive=grpc_alive(addr, timeout_s=timeout_s))
+
+
+def test_a_stopped_service_is_killed_and_restarted(tmp_path: Path) -> None:
+    """SIGSTOP (or a hang) leaves the process alive but silent: liveness catches it."""
+    spec = _grpc_service("frozen", lambda port: _health_server(port, "SERVING", freeze_after_s=2.0))
+    sup = Supervisor(tmp_path, liveness_timeout_s=1.0, liveness_interval_s=0.1)
+    sup.start(spec, 30)
+    first = sup.children[0].proc
+    try:
+        with structlog.testing.capture_logs() as logs:
+            failed = sup.wait(poll_s=0.05, restart=RestartPolicy(backoff_s=0.05, max_restarts=1))
+        events = [e["event"] for e in logs]
+        # Frozen, killed, restarted, frozen again, killed again: past max_restarts 1.
+        assert events.count("service_unresponsive") == 2
+        assert events.count("service_restarted") == 1
+        exited = next(e for e in logs if e["event"] == "service_exited")
+        assert "stopped answering its health check" in exited["reason"]
+        assert first.returncode == -signal.SIGKILL
+        assert failed.name == "frozen" and "stopped answering" in failed.why
+        assert "giving up" in failed.why
+    finally:
+        sup.stop_all()
+
+
+def test_a_not_serving_service_is_alive(tmp_path: Path) -> None:
+    """NOT_SERVING (draining, waiting for a peer) is an answer: never killed for it."""
+    sup = Supervisor(tmp_path, liveness_timeout_s=0.3, liveness_interval_s=0.05)
+    busy = _grpc_service("busy", lambda port: _health_server(port, "NOT_SERVING"))
+    assert busy.alive is not None
+    busy.probe = busy.alive  # ready once it answers: its health says NOT_SERVING throughout
+    sup.start(busy, 30)
+    sup.start(_spec("timer", "import time; time.sleep(2.0)", tmp_path), 10)
+    with structlog.testing.capture_logs() as logs:
+        failed = sup.wait(poll_s=0.05)  # returns when the timer exits
+    try:
+        assert failed.name == "timer"
+        assert sup.children[0].proc.poll() is None
+        assert not [e for e in logs if e["event"] == "service_unresponsive"]
+    finally:
+        sup.stop_all()
