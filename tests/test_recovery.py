@@ -34,17 +34,8 @@ import pytest
 
 from proto import scheduler_pb2, scheduler_pb2_grpc
 from superinfer.daemon import CHANNEL_OPTIONS, free_port
+from tests.prompts import PROMPTS
 
-PROMPTS = [
-    "The capital of France is",
-    "Write a short poem about the sea.",
-    "1, 2, 3, 4,",
-    "def fibonacci(n):",
-    "Hello, my name is",
-    "The three primary colors are",
-    "Translate to German: good morning",
-    "Once upon a time, in a small village,",
-]
 MAX_TOKENS = 64
 START_TIMEOUT_S = 240.0
 # 8 requests of ~5 blocks against 24 device blocks: rotation all the way through.
@@ -236,22 +227,23 @@ def assert_clean(serve: Serve) -> None:
 
 
 # -- tests ------------------------------------------------------------------------------------
-REFERENCE: dict[str, str] = {}
-
-
-def test_undisturbed_reference(serve: Serve) -> None:
+@pytest.fixture(scope="module")
+def reference(serve: Serve) -> dict[str, str]:
+    """Every prompt's text from an undisturbed run: what each disturbed run must reproduce."""
     streams = run_load(serve, PROMPTS)
-    for p, s in zip(PROMPTS, streams, strict=True):
+    for s in streams:
         assert s.error is None and s.finish_reason == "length" and s.done
         assert s.text
-        REFERENCE[p] = s.text
+    return {p: s.text for p, s in zip(PROMPTS, streams, strict=True)}
+
+
+def test_undisturbed_reference(serve: Serve, reference: dict[str, str]) -> None:
+    assert sorted(reference) == sorted(PROMPTS)
     assert serve.stats().counters["rotations"] > 0  # the pool is tight enough to rotate
     assert_clean(serve)
 
 
-def test_kill_worker_then_kvmem_under_load(serve: Serve) -> None:
-    if not REFERENCE:
-        pytest.skip("needs test_undisturbed_reference")
+def test_kill_worker_then_kvmem_under_load(serve: Serve, reference: dict[str, str]) -> None:
     old_segment = serve.note_segment()
     times: dict[str, float] = {}
 
@@ -271,7 +263,7 @@ def test_kill_worker_then_kvmem_under_load(serve: Serve) -> None:
           f"{times['worker']:.2f} s, kvmem {times['kvmem']:.2f} s")
     for p, s in zip(PROMPTS, streams, strict=True):
         assert s.error is None and s.finish_reason == "length" and s.done
-        assert s.text == REFERENCE[p], f"{p!r} changed by the restarts"
+        assert s.text == reference[p], f"{p!r} changed by the restarts"
     c = serve.stats().counters
     assert c["device_losses"] == 1 and c["host_losses"] == 1 and c["recoveries"] >= 2
     assert c["resumed_swap_in"] > 0  # the worker's loss was repaired from host copies
@@ -281,9 +273,8 @@ def test_kill_worker_then_kvmem_under_load(serve: Serve) -> None:
     assert_clean(serve)
 
 
-def test_stopped_kvmem_is_killed_and_restarted_under_load(serve: Serve) -> None:
-    if not REFERENCE:
-        pytest.skip("needs test_undisturbed_reference")
+def test_stopped_kvmem_is_killed_and_restarted_under_load(serve: Serve,
+                                                          reference: dict[str, str]) -> None:
     pids: dict[str, int] = {}
     times: dict[str, float] = {}
 
@@ -308,11 +299,11 @@ def test_stopped_kvmem_is_killed_and_restarted_under_load(serve: Serve) -> None:
     assert times["restarted"] >= LIVENESS_TIMEOUT_S
     for p, s in zip(PROMPTS, streams, strict=True):
         assert s.error is None and s.finish_reason == "length" and s.done
-        assert s.text == REFERENCE[p], f"{p!r} changed by the restart"
+        assert s.text == reference[p], f"{p!r} changed by the restart"
     assert_clean(serve)
 
 
-def test_kill_scheduler_under_load(serve: Serve) -> None:
+def test_kill_scheduler_under_load(serve: Serve, reference: dict[str, str]) -> None:
     others = {name: serve.pid(name) for name in ("worker", "kvmem", "gateway")}
     old = serve.pid("scheduler")
     down: dict[str, Any] = {}
@@ -344,8 +335,7 @@ def test_kill_scheduler_under_load(serve: Serve) -> None:
         time.sleep(float(r.headers["retry-after"]) / 4)
     assert r.status_code == 200, r.text
     print(f"\nscheduler kill -9 -> a new 16-token request completed: {time.monotonic() - down['t']:.2f} s")
-    if PROMPTS[1] in REFERENCE:
-        assert REFERENCE[PROMPTS[1]].startswith(r.json()["choices"][0]["text"])
+    assert reference[PROMPTS[1]].startswith(r.json()["choices"][0]["text"])
     assert {name: serve.pid(name) for name in others} == others  # nobody else restarted
     assert_clean(serve)
 

@@ -33,17 +33,8 @@ from superinfer.daemon import CHANNEL_OPTIONS, free_port
 from superinfer.modelfile import resolve_model
 from superinfer.supervisor import ServiceSpec, Supervisor, grpc_probe
 from superinfer.tokenizer import Tokenizer
+from tests.prompts import PROMPTS
 
-PROMPTS = [
-    "The capital of France is",
-    "Write a short poem about the sea.",
-    "1, 2, 3, 4,",
-    "def fibonacci(n):",
-    "Hello, my name is",
-    "The three primary colors are",
-    "Translate to German: good morning",
-    "Once upon a time, in a small village,",
-]
 START_TIMEOUT_S = 240.0
 
 # Two model-loading stacks plus an in-process engine: minutes on a 2-core machine.

@@ -11,6 +11,13 @@ are taken within each repeat, the modes in a shuffled order, because on a shared
 absolute numbers drift from second to second.
 
 Pools hold twice the blocks moved (so ids scatter) and are pre-faulted before timing.
+
+`--device cuda` (UNTESTED here: no GPU on the machine this was written on) puts the device
+pool in GPU memory and page-locks the host pool; `raw_gbps` is then one large
+device->host copy plus one large host->device copy of the plan's byte split, one after the
+other (the link's one-way bandwidth, per direction in `raw_d2h_gbps`/`raw_h2d_gbps`), so
+block-first's ratio to it is issue #5's "≥ 90 % of one-way bandwidth" and duplex's ratio
+to block-first its "≥ 1.7x one direction".
 """
 
 from __future__ import annotations
@@ -87,6 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"default {NT_THRESHOLD}, what the kvmem daemon runs with (block "
                         "copies then use non-temporal stores, as a large memmove does); "
                         "'default' keeps glibc's own threshold")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the device pool lives: cpu (both pools in DRAM) or cuda (GPU "
+                        "memory, host pool page-locked)")
     p.add_argument("--copy-rows", action="store_true",
                    help="also time layer-first and block-first with torch copy_ (slow)")
     p.add_argument("--json", default=None, help="write results to this JSON file")
@@ -115,19 +125,27 @@ def _mark(pool: torch.Tensor, base: int) -> None:
 
 
 def _copied(plan: TransferPlan, dev: torch.Tensor, host: torch.Tensor) -> bool:
-    d, h = _markers(dev), _markers(host)
+    d, h = _markers(dev).cpu(), _markers(host)
     return (all(bool(h[hb] == d[db]) for db, hb in plan.swap_out + plan.eager)
             and all(bool(d[db] == h[hb]) for hb, db in plan.swap_in))
 
 
 def measure(shape: Shape, blocks: int, repeats: int, seed: int = 0,
-            copy_rows: bool = False) -> dict[str, Any]:
+            copy_rows: bool = False, device: str = "cpu") -> dict[str, Any]:
     rng = random.Random(seed)
-    variants = {**VARIANTS, **(COPY_VARIANTS if copy_rows else {})}
+    cuda = device == "cuda"
+    variants = {**VARIANTS, **(COPY_VARIANTS if copy_rows and not cuda else {})}
     pool_blocks = 2 * blocks
-    mem = [allocate_host_pool(shape.block_shape, shape.dtype, num_blocks=pool_blocks,
-                              numa_node="off", pin=False) for _ in range(2)]
-    dev, host = mem[0].tensor, mem[1].tensor
+    if cuda:
+        mem = [allocate_host_pool(shape.block_shape, shape.dtype, num_blocks=pool_blocks,
+                                  pin=True)]
+        dev = torch.zeros((pool_blocks, *shape.block_shape), dtype=shape.dtype, device="cuda")
+        host = mem[0].tensor
+    else:
+        mem = [allocate_host_pool(shape.block_shape, shape.dtype, num_blocks=pool_blocks,
+                                  numa_node="off", pin=False) for _ in range(2)]
+        dev, host = mem[0].tensor, mem[1].tensor
+    raw_dir: dict[str, list[float]] = {"d2h": [], "h2d": []}
     try:
         _mark(dev, 0)
         _mark(host, 100_000)
@@ -136,15 +154,26 @@ def measure(shape: Shape, blocks: int, repeats: int, seed: int = 0,
         engines = {v: DuplexEngine(dev, host, m, cpu_copy=c) for v, (m, c) in variants.items()}
         for e in engines.values():  # warm-up: lane threads started, caches in a steady state
             e.transfer(plan)
-        kinds = ["raw", "raw_torch", *variants]
+        kinds = ["raw", *([] if cuda else ["raw_torch"]), *variants]
         samples: dict[str, list[float]] = {k: [] for k in kinds}
         overlap: list[float] = []
         flat_d, flat_h = dev.view(-1).view(torch.uint8), host.view(-1).view(torch.uint8)
+        n_d2h = (len(plan.swap_out) + len(plan.eager)) * shape.block_bytes
         for _ in range(repeats):
             rng.shuffle(kinds)
             for kind in kinds:
                 t0 = time.perf_counter()
-                if kind == "raw":
+                if kind == "raw" and cuda:
+                    # One contiguous copy per direction, one after the other: the link.
+                    flat_h[:n_d2h].copy_(flat_d[:n_d2h], non_blocking=True)
+                    torch.cuda.synchronize()
+                    t1 = time.perf_counter()
+                    flat_d[n_d2h:nbytes].copy_(flat_h[n_d2h:nbytes], non_blocking=True)
+                    torch.cuda.synchronize()
+                    t2 = time.perf_counter()
+                    raw_dir["d2h"].append(n_d2h / (t1 - t0) / 1e9)
+                    raw_dir["h2d"].append((nbytes - n_d2h) / (t2 - t1) / 1e9)
+                elif kind == "raw":
                     ctypes.memmove(flat_h.data_ptr(), flat_d.data_ptr(), nbytes)
                 elif kind == "raw_torch":
                     flat_h[:nbytes].copy_(flat_d[:nbytes])
@@ -180,8 +209,11 @@ def measure(shape: Shape, blocks: int, repeats: int, seed: int = 0,
         "h2d_blocks": len(plan.swap_in),
         "eager_blocks": len(plan.eager),
         "bytes_moved": nbytes,
+        "device": device,
         "raw_gbps": statistics.median(samples["raw"]),
-        "raw_torch_gbps": statistics.median(samples["raw_torch"]),
+        "raw_torch_gbps": statistics.median(samples["raw_torch"]) if not cuda else None,
+        "raw_d2h_gbps": statistics.median(raw_dir["d2h"]) if cuda else None,
+        "raw_h2d_gbps": statistics.median(raw_dir["h2d"]) if cuda else None,
         "duplex_overlap": statistics.median(overlap),
         "samples_gbps": samples,
         "noise": {k: stats(v) for k, v in samples.items()},
@@ -222,11 +254,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"bad arguments: shapes {unknown or 'ok'}, repeats >= 1, blocks >= 2",
               file=sys.stderr)
         return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: torch sees no CUDA device here", file=sys.stderr)
+        return 2
     results = []
     for name in args.shapes.split(","):
         s = shapes[name]
         results.append(measure(s, args.blocks or s.default_blocks, args.repeats, args.seed,
-                               args.copy_rows))
+                               args.copy_rows, args.device))
     nt = nt_threshold_in_effect()
     print(f"KV block transfers, GB/s both ways (median of {args.repeats}; [min-max]); "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, {NT_KEY}: {nt}")
@@ -234,8 +269,9 @@ def run(args: argparse.Namespace) -> int:
     for r in results:
         n = r["noise"]
         variants = [v for v in (*VARIANTS, *COPY_VARIANTS) if f"{_key(v)}_gbps" in r]
-        for kind, label in (("raw", "raw memmove"), ("raw_torch", "raw torch copy_"),
-                            *((v, v) for v in variants)):
+        raws = ([("raw", "raw: one copy per direction")] if r["device"] == "cuda" else
+                [("raw", "raw memmove"), ("raw_torch", "raw torch copy_")])
+        for kind, label in (*raws, *((v, v) for v in variants)):
             if kind in variants:
                 q = r[f"{_key(kind)}_vs_raw"]
                 vs_raw = f"{q['median']:.2f} [{q['min']:.2f}-{q['max']:.2f}]"
@@ -256,12 +292,16 @@ def run(args: argparse.Namespace) -> int:
               + (f", / layer-first copy_ {fmt(r['block_first_vs_layer_first_copy_'])}"
                  if "block_first_vs_layer_first_copy_" in r else "")
               + f"; duplex / block-first {fmt(r['duplex_vs_block_first'])}, "
-              f"duplex overlap {r['duplex_overlap']:.2f}")
-    if nt == "glibc default":
+              f"duplex overlap {r['duplex_overlap']:.2f}"
+              + (f"; raw D2H {r['raw_d2h_gbps']:.1f}, H2D {r['raw_h2d_gbps']:.1f} GB/s"
+                 if r["device"] == "cuda" else ""))
+    if nt == "glibc default" and args.device == "cpu":
         print(f"note: block copies here use cached stores; kvmem runs with --nt-threshold "
               f"{NT_THRESHOLD}, where they get the non-temporal stores a large memmove gets")
     write_json(args.json, {
         "cpus": os.cpu_count(), "nt_threshold": nt, "repeats": args.repeats,
+        "device": args.device,
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
         "shapes": {r["shape"]: r for r in results},
     })
     return 0
@@ -272,7 +312,7 @@ def _rerun_with_nt(args: argparse.Namespace) -> int:
     tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t]
     env = {**os.environ, "GLIBC_TUNABLES": ":".join([*tunables, f"{NT_KEY}={args.nt_threshold}"])}
     argv = ["--repeats", str(args.repeats), "--shapes", args.shapes, "--seed", str(args.seed),
-            "--nt-threshold", "default"]  # the child has it in its environment already
+            "--nt-threshold", "default", "--device", args.device]  # the child has it in its environment already
     if args.copy_rows:
         argv.append("--copy-rows")
     if args.blocks is not None:
