@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every table and figure in docs/sim/README.md. Run from the repository root:
 #   bash docs/sim/reproduce.sh            # all experiments (~1 h on 2 busy cores)
-#   bash docs/sim/reproduce.sh fig16      # one of: fig16 fig16-96 fig16-96-res256 minres starvation ablation ablation-xfer xfer vlt pcie whatif whatif-more whatif-pcie
+#   bash docs/sim/reproduce.sh fig16      # one of: fig16 fig16-96 fig16-96-res256 minres starvation hold-first ablation ablation-xfer xfer vlt pcie whatif whatif-more whatif-pcie
 set -uo pipefail
 SIM="${SIM:-.venv/bin/python -m superinfer.sim.cli sim}"
 OUT=docs/sim
@@ -31,6 +31,10 @@ want starvation && { echo "== starvation"; .venv/bin/python $OUT/starvation.py \
 want ablation && run ablation --hardware gh200-96gb $BASE --rps 8,11,14,17 \
   --policies "swapped-first:$VLLM:label=sf+vllm-offload,lvf:$VLLM:xfer=300:label=lvf+vllm-offload-B300,lvf:$VLLM:xfer=2400:label=lvf+vllm-offload-B2400,lvf:xfer=2400:label=lvf+DuplexKV-B2400,swapped-first:label=sf+DuplexKV" \
   --json $OUT/ablation.json --plot $OUT/ablation.png
+want hold-first && { echo "== whatif_hold_first"; .venv/bin/python $OUT/whatif_hold_first.py --starvation \
+  --hardware gh200-96gb $BASE --rps 14,20 \
+  --policies lvf:label=lvf-hold-first,lvf:min_res=256:label=lvf-res256-hold-first \
+  --json $OUT/whatif_hold_first.json > $OUT/whatif_hold_first.txt 2>&1; tail -1 $OUT/whatif_hold_first.txt; }
 want ablation-xfer && run ablation_xfer --hardware gh200-96gb $BASE --rps 11,14,17 \
   --policies "swapped-first:$VLLM:label=sf+vllm,lvf:$VLLM:xfer=20:label=lvf+vllm-B20,lvf:$VLLM:xfer=60:label=lvf+vllm-B60,lvf:$VLLM:xfer=150:label=lvf+vllm-B150,lvf:$VLLM:xfer=2400:label=lvf+vllm-B2400,lvf:$VLLM:xfer=60:min_res=256:label=lvf+vllm-B60-r256,lvf:$VLLM:xfer=2400:min_res=256:label=lvf+vllm-B2400-r256" \
   --json $OUT/ablation_xfer.json --plot $OUT/ablation_xfer.png
