@@ -18,7 +18,7 @@ from scheduler_svc.request import SLO, FinishReason, Request, SamplingParams
 from scheduler_svc.scheduler import RequestEvent, Scheduler
 from superinfer.config import EngineConfig
 from superinfer.errors import ContextLengthError, InvalidRequestError
-from superinfer.modelfile import resolve_model
+from superinfer.modelfile import ModelSource, resolve_model
 from superinfer.output import OutputTracker
 from superinfer.tokenizer import Tokenizer
 from superinfer.trace import Trace, scheduler_load
@@ -41,6 +41,10 @@ class GenerationResult:
 
 
 class LLMEngine:
+    source: ModelSource
+    tokenizer: Tokenizer
+    runner: ModelRunner
+
     def __init__(self, config: EngineConfig, reuse: LLMEngine | None = None) -> None:
         """Build the engine; `reuse` shares another engine's loaded model and tokenizer
         (same model and dtype), so tests and benchmarks can vary pools and policies."""
@@ -197,7 +201,7 @@ class LLMEngine:
         self.copier.close()
 
     def stats(self) -> dict[str, object]:
-        s = self.scheduler.stats.as_dict()
+        s: dict[str, object] = dict(self.scheduler.stats.as_dict())
         s["transfer_s"] = self.transfer_s
         s["execute_s"] = self.execute_s
         s["device_blocks"] = self.scheduler.config.num_device_blocks

@@ -147,11 +147,11 @@ def _parse_metadata(path: str) -> dict[str, Any]:
                     pos += size
                     return vals
                 return [read_value(itype) for _ in range(count)]
-            fmt = _SCALARS.get(vtype)
-            if fmt is None:
+            scalar = _SCALARS.get(vtype)
+            if scalar is None:
                 raise ValueError(f"unknown metadata value type {vtype}")
-            (v,) = struct.unpack_from("<" + fmt, buf, pos)
-            pos += struct.calcsize(fmt)
+            (v,) = struct.unpack_from("<" + scalar, buf, pos)
+            pos += struct.calcsize(scalar)
             return v
 
         out: dict[str, Any] = {}

@@ -253,7 +253,7 @@ def _open_gguf(path: pathlib.Path) -> Any:
     from gguf import GGUFReader, GGUFValueType
 
     class _FastReader(GGUFReader):
-        def _get(self, offset, dtype, count=1, override_order=None):  # type: ignore[override]
+        def _get(self, offset, dtype, count=1, override_order=None):
             plain = self.__dict__.get("_si_plain")
             if plain is None:
                 plain = self._si_plain = self.data.view(np.ndarray)
@@ -263,7 +263,7 @@ def _open_gguf(path: pathlib.Path) -> Any:
             order = self.byte_order if override_order is None else override_order
             return arr.view(arr.dtype.newbyteorder(order))
 
-        def _get_field_parts(self, orig_offs, raw_type):  # type: ignore[override]
+        def _get_field_parts(self, orig_offs, raw_type):
             if raw_type != GGUFValueType.ARRAY:
                 return super()._get_field_parts(orig_offs, raw_type)
             raw_itype = self._get(orig_offs, np.uint32)
@@ -681,7 +681,7 @@ def _load_hf(path: pathlib.Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[
             raise ModelLoadError(
                 f"model {where}: partial rotary embeddings are not supported; {_HINT}"
             )
-        base = dict(
+        base: dict[str, Any] = dict(
             architecture=str(arch),
             vocab_size=int(req("vocab_size")),
             hidden_size=hidden,

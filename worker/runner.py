@@ -96,12 +96,12 @@ class ModelRunner:
             n = len(c.token_ids)
             q0 = len(order)
             nb = len(c.block_table)
-            mask = None
+            pmask: torch.Tensor | None = None
             if c.start_pos > 0:
                 qpos = torch.arange(c.start_pos, c.start_pos + n)[:, None]
-                mask = (torch.arange(nb * bs)[None, :] <= qpos)[None, None]
+                pmask = (torch.arange(nb * bs)[None, :] <= qpos)[None, None]
             groups.append(AttentionGroup(q0, q0 + n, torch.tensor([c.block_table]),
-                                         c.start_pos, False, mask))
+                                         c.start_pos, False, pmask))
             order.extend(range(s, s + n))
         perm = torch.tensor(order, dtype=torch.long)
         inv = torch.empty_like(perm)

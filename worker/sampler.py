@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -25,7 +26,7 @@ def _generator(row: SamplingRow) -> torch.Generator:
     return torch.Generator().manual_seed((row.seed * 1_000_003 + row.output_index) % (1 << 63))
 
 
-def sample_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+def sample_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
     """logits: [S, V] fp32, one row per entry of `rows`; returns one token id per row."""
     greedy = logits.argmax(dim=-1).tolist()
     out: list[int] = []
