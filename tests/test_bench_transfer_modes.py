@@ -47,3 +47,14 @@ def test_two_modes_on_the_real_stack(tmp_path: Path) -> None:
         assert r["transfer_batches"] > 0 and r["mib_h2d"] + r["mib_d2h"] > 0
         assert r["wait_per_iteration_ms"] > 0
     assert "wait_per_iteration_ms" in (tmp_path / "table.md").read_text()
+
+
+def test_the_experiment_claim_needs_both_policies() -> None:
+    """A one-policy run (as transfer-modes makes) neither holds nor fails the claim."""
+    from superinfer.bench.experiment import claim
+
+    row = {"policy": "lvf", "rps": 1.6, "ttft_attainment": 0.9, "tbt_attainment": 0.95}
+    assert claim([row])["holds"] is None
+    sf = {**row, "policy": "swapped-first", "ttft_attainment": 0.5, "tbt_attainment": 0.97}
+    verdict = claim([row, sf])
+    assert verdict["holds"] is True and verdict["ttft_gain_points"] == 40.0

@@ -155,7 +155,12 @@ class Stack:
 
 
 def claim(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The issue's claim, checked on the sweep's results."""
+    """The issue's claim, checked on the sweep's results (`holds` None: not checkable,
+    the sweep did not run both lvf and swapped-first)."""
+    policies = {r["policy"] for r in rows}
+    if not {"lvf", "swapped-first"} <= policies:
+        return {"rate": None, "holds": None,
+                "why": "needs both lvf and swapped-first in --policies"}
     ok_rates = [r["rps"] for r in rows if (r.get("tbt_attainment") or 0.0) >= 0.9]
     if not ok_rates:
         return {"rate": None, "holds": False,
