@@ -6,12 +6,11 @@ with a `RestartPolicy` it restarts a child that dies, after an exponential backo
 gives up once a child died too often within a window; every step is a JSON log line.
 With a liveness timeout it also kills (and so restarts) a child that stays alive but stops
 answering its health check for that long: a hung or stopped process, which would otherwise
-stall the others forever. The
-other services reconnect by themselves (DESIGN §6). A child killed with SIGKILL leaves
-its pid file and, for the worker, its shared-memory segment behind: the supervisor
-removes both. `stop_all()` stops the children in stages, SIGTERM then SIGKILL after a
-timeout; children of one stage stop together, so that the scheduler's drain can still
-end the gateway's streams with a clear error.
+stall the others forever. The other services reconnect by themselves (DESIGN §6). A child
+killed with SIGKILL leaves its pid file and, for the worker, its shared-memory segment
+behind: the supervisor removes both. `stop_all()` stops the children in stages, SIGTERM
+then SIGKILL after a timeout; children of one stage stop together, so that the
+scheduler's drain can still end the gateway's streams with a clear error.
 """
 
 from __future__ import annotations
