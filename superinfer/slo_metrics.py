@@ -88,6 +88,10 @@ class SLOMetrics:
     tpot_attainment: float = math.nan
     p99_tpot_s: float = math.nan
     mean_ttft_s: float = math.nan
+    # What per-gap TBT attainment hides: the longest gap, and the summed length of every gap
+    # over its SLO (a request parked for 70 s is one missed gap, and 70 stall-seconds).
+    max_gap_s: float = math.nan
+    stall_s: float = 0.0
     output_tokens: int = 0
     duration_s: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
@@ -112,9 +116,11 @@ def compute_metrics(records: Iterable[RequestRecord], duration_s: float | None =
     gaps_all: list[float] = []
     tbt_ok = 0
     rot_gaps = rot_ok = 0
+    stall = 0.0
     for r in recs:
         g = r.gaps()
         ok = sum(1 for x in g if x <= r.tbt_slo_s)
+        stall += sum(x for x in g if x > r.tbt_slo_s)
         gaps_all.extend(g)
         tbt_ok += ok
         if r.rotations:
@@ -146,6 +152,8 @@ def compute_metrics(records: Iterable[RequestRecord], duration_s: float | None =
         tpot_attainment=sum(t <= slo for t, slo in tpots) / len(tpots) if tpots else math.nan,
         p99_tpot_s=_pct([t for t, _ in tpots], 99),
         mean_ttft_s=float(np.mean(ttfts)) if ttfts else math.nan,
+        max_gap_s=max(gaps_all) if gaps_all else math.nan,
+        stall_s=stall,
         output_tokens=out_tokens,
         duration_s=duration_s,
     )

@@ -281,6 +281,7 @@ def test_slo_metrics_by_hand() -> None:
     assert m.p50_tbt_s == pytest.approx(0.05)
     assert m.rotations == 1
     assert m.output_tokens == 8
+    assert m.max_gap_s == pytest.approx(0.3) and m.stall_s == pytest.approx(0.3)  # the one miss
     assert m.throughput_tok_s == pytest.approx(8 / 7.05)
     d = m.as_dict()
     json.dumps(d)  # JSON-safe

@@ -26,7 +26,7 @@ from superinfer.workload import TraceRequest
 SIM_KEYS = (
     "ttft_attainment", "tbt_attainment", "p50_ttft_s", "p99_ttft_s", "p50_tbt_s", "p99_tbt_s",
     "goodput_rps", "throughput_tok_s", "tbt_attainment_rotated", "tpot_attainment",
-    "p99_tpot_s", "mean_ttft_s", "requests", "completed",
+    "p99_tpot_s", "mean_ttft_s", "max_gap_s", "stall_s", "requests", "completed",
 )
 DISTRIBUTIONS = (("ttft", "TTFT"), ("itl", "ITL (TBT)"), ("tpot", "TPOT"), ("e2el", "E2EL"))
 
@@ -118,13 +118,16 @@ def format_pass(row: dict[str, Any], ttft_slo_s: float, tbt_slo_s: float) -> str
     goodput = row["goodput_rps"]
     tok_s = row["throughput_tok_s"]
     req_s = row["request_throughput_rps"]
+    gap = row.get("max_gap_s")
     lines = [
         f"{row['policy']} @ {row['rps']:g} req/s: {row['requests']} requests, "
         f"{row['completed']} completed, {row['failed']} failed, in {row['duration_s']:.2f} s",
         dist,
         f"SLO attainment: TTFT <= {ttft_slo_s:g} s {_pct(row['ttft_attainment'])}, "
         f"TBT <= {tbt_slo_s * 1000:g} ms {_pct(row['tbt_attainment'])}, "
-        f"TPOT <= {tbt_slo_s * 1000:g} ms {_pct(row['tpot_attainment'])}",
+        f"TPOT <= {tbt_slo_s * 1000:g} ms {_pct(row['tpot_attainment'])}; longest gap "
+        f"{'-' if gap is None else f'{gap:.2f} s'}, {row.get('stall_s') or 0:.1f} s of gaps "
+        "over the TBT SLO",
         f"goodput {'-' if goodput is None else f'{goodput:.3g}'} req/s; throughput "
         f"{'-' if req_s is None else f'{req_s:.3g}'} req/s, "
         f"{'-' if tok_s is None else f'{tok_s:.1f}'} output tok/s; tokens: "
