@@ -49,19 +49,35 @@ PROBE_CHANNEL_OPTIONS = [
 log = structlog.get_logger()
 
 
-def grpc_probe(addr: str) -> tuple[Probe, Callable[[], None]]:
-    """(is it SERVING?, close) for the gRPC health service at `addr`."""
+def _grpc_health(addr: str, timeout_s: float) -> tuple[Callable[[], int | None], Callable[[], None]]:
+    """(the health status at `addr`, or None when no answer came in `timeout_s`; close)."""
     channel = grpc.insecure_channel(addr, options=PROBE_CHANNEL_OPTIONS)
     stub = health_pb2_grpc.HealthStub(channel)
 
-    def probe() -> bool:
+    def status() -> int | None:
         try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            return int(stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s).status)
         except grpc.RpcError:
-            return False
-        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+            return None
 
-    return probe, channel.close
+    return status, channel.close
+
+
+def _http_status(url: str, timeout_s: float) -> Callable[[], int | None]:
+    """The HTTP status of GET `url`, or None when no answer came in `timeout_s`."""
+    def status() -> int | None:
+        try:
+            return httpx.get(url, timeout=timeout_s, trust_env=False).status_code
+        except httpx.HTTPError:
+            return None
+
+    return status
+
+
+def grpc_probe(addr: str) -> tuple[Probe, Callable[[], None]]:
+    """(is it SERVING?, close) for the gRPC health service at `addr`: readiness."""
+    status, close = _grpc_health(addr, 1.0)
+    return (lambda: status() == health_pb2.HealthCheckResponse.SERVING), close
 
 
 def grpc_alive(addr: str, timeout_s: float = 2.0) -> tuple[Probe, Callable[[], None]]:
@@ -69,39 +85,20 @@ def grpc_alive(addr: str, timeout_s: float = 2.0) -> tuple[Probe, Callable[[], N
 
     A service may say NOT_SERVING for a while (draining, waiting for a peer); only no
     answer within `timeout_s` means the process is not running its event loop."""
-    channel = grpc.insecure_channel(addr, options=PROBE_CHANNEL_OPTIONS)
-    stub = health_pb2_grpc.HealthStub(channel)
+    status, close = _grpc_health(addr, timeout_s)
+    return (lambda: status() is not None), close
 
-    def alive() -> bool:
-        try:
-            stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
-        except grpc.RpcError:
-            return False
-        return True
 
-    return alive, channel.close
+def http_probe(url: str) -> tuple[Probe, Callable[[], None]]:
+    """(does GET `url` answer 200?, close): readiness over HTTP (the gateway's /health)."""
+    status = _http_status(url, 1.0)
+    return (lambda: status() == 200), lambda: None
 
 
 def http_alive(url: str, timeout_s: float = 2.0) -> tuple[Probe, Callable[[], None]]:
     """Liveness over HTTP (the gateway's /livez): any response within `timeout_s`."""
-    def alive() -> bool:
-        try:
-            httpx.get(url, timeout=timeout_s, trust_env=False)
-        except httpx.HTTPError:
-            return False
-        return True
-
-    return alive, lambda: None
-
-
-def http_probe(url: str) -> tuple[Probe, Callable[[], None]]:
-    def probe() -> bool:
-        try:
-            return httpx.get(url, timeout=1.0, trust_env=False).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    return probe, lambda: None
+    status = _http_status(url, timeout_s)
+    return (lambda: status() is not None), lambda: None
 
 
 @dataclass

@@ -36,8 +36,8 @@ def breakdown(records: list[RequestRecord], arrivals_end_s: float) -> dict[str, 
     miss = [r for r in records if missed_ttft(r)]
     hit = [r for r in records if not missed_ttft(r)]
     drained = [r for r in miss if not r.token_times or r.token_times[0] > arrivals_end_s]
-    gaps = [g for r in records for g in r.gaps()]
-    missed = [g for r in records for g in r.gaps() if g > r.tbt_slo_s]
+    gaps = [(g, r.tbt_slo_s) for r in records for g in r.gaps()]
+    missed = [g for g, slo in gaps if g > slo]
 
     def median(xs: list[float]) -> float | None:
         return statistics.median(xs) if xs else None
@@ -53,7 +53,7 @@ def breakdown(records: list[RequestRecord], arrivals_end_s: float) -> dict[str, 
         "gaps": len(gaps),
         "missed_gaps": len(missed),
         "stall_s": sum(missed),
-        "max_gap_s": max(gaps, default=0.0),
+        "max_gap_s": max((g for g, _ in gaps), default=0.0),
     }
 
 

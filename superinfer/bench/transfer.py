@@ -37,7 +37,7 @@ import torch
 
 from kvmem_svc.duplex import DuplexEngine, Mode
 from kvmem_svc.hostmem import allocate_host_pool
-from kvmem_svc.tunables import NT_KEY, NT_THRESHOLD
+from kvmem_svc.tunables import NT_KEY, NT_THRESHOLD, nt_threshold_in_effect, with_nt_threshold
 from scheduler_svc.block_manager import TransferPlan
 from superinfer.bench.report import table, write_json
 
@@ -238,15 +238,8 @@ def _key(variant: str) -> str:
     return variant.replace("/copy_", "_torch").replace("-", "_")
 
 
-def nt_threshold_in_effect() -> str:
-    for item in os.environ.get("GLIBC_TUNABLES", "").split(":"):
-        if item.startswith(NT_KEY + "="):
-            return item.split("=", 1)[1]
-    return "glibc default"
-
-
 def run(args: argparse.Namespace) -> int:
-    if args.nt_threshold != "default" and nt_threshold_in_effect() == "glibc default":
+    if args.nt_threshold != "default" and nt_threshold_in_effect() is None:
         return _rerun_with_nt(args)
     shapes = {s.name: s for s in SHAPES}
     unknown = [n for n in args.shapes.split(",") if n not in shapes]
@@ -262,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
         s = shapes[name]
         results.append(measure(s, args.blocks or s.default_blocks, args.repeats, args.seed,
                                args.copy_rows, args.device))
-    nt = nt_threshold_in_effect()
+    nt = nt_threshold_in_effect() or "glibc default"
     print(f"KV block transfers, GB/s both ways (median of {args.repeats}; [min-max]); "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, {NT_KEY}: {nt}")
     rows = []
@@ -309,8 +302,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _rerun_with_nt(args: argparse.Namespace) -> int:
     """GLIBC_TUNABLES is read at process start: measure in a child that has it."""
-    tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t]
-    env = {**os.environ, "GLIBC_TUNABLES": ":".join([*tunables, f"{NT_KEY}={args.nt_threshold}"])}
+    env = with_nt_threshold(dict(os.environ), args.nt_threshold)
     argv = ["--repeats", str(args.repeats), "--shapes", args.shapes, "--seed", str(args.seed),
             "--nt-threshold", "default", "--device", args.device]  # the child has it in its environment already
     if args.copy_rows:

@@ -22,6 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from superinfer.argtypes import rates
 from superinfer.sim import fidelity
 from superinfer.sim.cost import LAYOUTS
 from superinfer.sim.engine import (
@@ -75,24 +76,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     f.set_defaults(func=fidelity.run)
 
 
-def _rates(text: str) -> list[float]:
-    out = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            v = float(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a rate: {part!r}") from None
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"rates must be positive, got {part}")
-        out.append(v)
-    if not out:
-        raise argparse.ArgumentTypeError("give at least one rate")
-    return out
-
-
 def _optional_float(text: str) -> float | None:
     return None if text.strip().lower() == "none" else float(text)
 
@@ -124,7 +107,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--tokenizer", default=None,
                    help="count a dataset file's lengths with this tokenizer ('bundled', a .gguf "
                         "or a HF dir); default: characters / 4")
-    w.add_argument("--rps", type=_rates, default=[5.0, 10.0, 15.0],
+    w.add_argument("--rps", type=rates, default=[5.0, 10.0, 15.0],
                    help="request rates to sweep, comma separated")
     w.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals")
     w.add_argument("--num-prompts", type=int, default=None,

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from superinfer.argtypes import positive, rate, rates
 from superinfer.bench.serve.prompts import BodyOptions, TextTokenizer, prompt_text, request_body
 from superinfer.bench.serve.runner import (
     BenchError,
@@ -32,35 +33,6 @@ DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"  # `superinfer serve`'s gateway
 DEFAULT_NUM_PROMPTS = 100  # when neither --num-prompts nor --duration is given
 
 
-def _rate(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a rate: {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"rates must be positive, got {text}")
-    return v
-
-
-def _rates(text: str) -> list[float]:
-    out = [_rate(p.strip()) for p in text.split(",") if p.strip()]
-    if not out:
-        raise argparse.ArgumentTypeError("give at least one rate")
-    return out
-
-
-def _positive(kind: type) -> Any:
-    def parse(text: str) -> Any:
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a {kind.__name__}: {text!r}") from None
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return v
-    return parse
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = (
         "Load benchmark against any OpenAI-compatible server: replays a trace with gamma "
@@ -79,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--metrics-url", default=None,
                    help="Prometheus endpoint read before/after each pass (default: the base "
                         "URL's root + /metrics; 'none' to skip)")
-    s.add_argument("--timeout", type=_positive(float), default=600.0,
+    s.add_argument("--timeout", type=positive(float), default=600.0,
                    help="seconds to wait for the next chunk of a stream before failing it")
     w = p.add_argument_group("workload")
     w.add_argument("--dataset", default="sharegpt",
@@ -88,11 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="counts dataset lengths and sizes prompt text: 'auto' (the bundled "
                         "model's when the server serves it, else none), 'bundled', 'none' "
                         "(~1 token per word, 4 characters per token), a .gguf or a HF dir")
-    w.add_argument("--rps", type=_rate, default=math.inf,
+    w.add_argument("--rps", type=rate, default=math.inf,
                    help="mean request rate (default inf: every request at t = 0)")
-    w.add_argument("--sweep-rps", type=_rates, default=None, metavar="A,B,C",
+    w.add_argument("--sweep-rps", type=rates, default=None, metavar="A,B,C",
                    help="one pass per rate (instead of --rps)")
-    w.add_argument("--burstiness", type=_positive(float), default=1.0,
+    w.add_argument("--burstiness", type=positive(float), default=1.0,
                    help="gamma shape of the gaps; 1 = Poisson")
     w.add_argument("--num-prompts", type=int, default=None,
                    help=f"requests per pass (default {DEFAULT_NUM_PROMPTS} unless --duration)")
@@ -108,8 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="ask for exactly the trace's output length (default on)")
     o = p.add_argument_group("SLOs and output")
-    o.add_argument("--ttft-slo", type=_positive(float), default=5.0, help="S_B, seconds")
-    o.add_argument("--tbt-slo", type=_positive(float), default=0.1, help="S_F, seconds")
+    o.add_argument("--ttft-slo", type=positive(float), default=5.0, help="S_B, seconds")
+    o.add_argument("--tbt-slo", type=positive(float), default=0.1, help="S_F, seconds")
     o.add_argument("--no-send-slo", action="store_true",
                    help="do not send the SLOs in the request's `slo` field")
     o.add_argument("--json", default=None, metavar="PATH", help="write config and results")
