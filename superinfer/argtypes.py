@@ -7,15 +7,23 @@ from collections.abc import Callable
 from typing import Any
 
 
-def rate(text: str) -> float:
-    """One request rate (req/s), > 0; `inf` is allowed (send everything at once)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a rate: {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"rates must be positive, got {text}")
-    return v
+def positive(kind: type, name: str | None = None) -> Callable[[str], Any]:
+    """A converter to `kind` (int, float) that refuses values <= 0; `name` words its errors
+    (default: the type's name)."""
+    def parse(text: str) -> Any:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a {name or kind.__name__}: {text!r}") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError(
+                f"{name + 's ' if name else ''}must be positive, got {text}")
+        return v
+    return parse
+
+
+# One request rate (req/s), > 0; `inf` is allowed (send everything at once).
+rate = positive(float, "rate")
 
 
 def rates(text: str) -> list[float]:
@@ -24,16 +32,3 @@ def rates(text: str) -> list[float]:
     if not out:
         raise argparse.ArgumentTypeError("give at least one rate")
     return out
-
-
-def positive(kind: type) -> Callable[[str], Any]:
-    """A converter to `kind` (int, float) that refuses values <= 0."""
-    def parse(text: str) -> Any:
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a {kind.__name__}: {text!r}") from None
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return v
-    return parse
