@@ -525,7 +525,13 @@ def test_bench_transfer_reports_every_mode(tmp_path: Path, capsys: pytest.Captur
     for shape in data["shapes"].values():
         for key in ("raw_gbps", "layer_first_gbps", "block_first_gbps", "duplex_gbps"):
             assert shape[key] > 0
-    assert "duplex" in capsys.readouterr().out
+        goals = {g["goal"]: g for g in shape["goals"]}
+        assert set(goals) == {"block_first_share_of_raw", "block_first_over_layer_first",
+                              "duplex_over_layer_first", "duplex_over_one_direction"}
+        assert goals["duplex_over_layer_first"]["median"] == shape["duplex_vs_layer_first"]["median"]
+        assert all(g["met"] == (g["median"] >= g["target"]) for g in goals.values())
+    printed = capsys.readouterr().out
+    assert "duplex" in printed and "block-first / layer-first" in printed
 
 
 def test_bench_transfer_on_cuda_without_cuda_says_so(capsys: pytest.CaptureFixture[str]) -> None:
