@@ -89,6 +89,19 @@ def read_pid(path: Path) -> int | None:
         return None
 
 
+def process_start(pid: int) -> int | None:
+    """When process `pid` started (clock ticks after boot), or None if it is gone.
+
+    A pid names a process only together with its start: in a container every restart of
+    the service is pid 1 again.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

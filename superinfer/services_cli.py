@@ -20,16 +20,21 @@ from types import FrameType, ModuleType
 from superinfer.config import EngineConfig
 from superinfer.daemon import add_daemon_arguments
 from superinfer.logging import configure_logging
+from superinfer.probes import (
+    HEALTH_HELP,
+    add_health_arguments,
+    grpc_alive,
+    grpc_probe,
+    http_alive,
+    http_probe,
+    run_health,
+)
 from superinfer.supervisor import (
     RestartPolicy,
     ServiceFailed,
     ServiceSpec,
     Supervisor,
     die_with_supervisor,
-    grpc_alive,
-    grpc_probe,
-    http_alive,
-    http_probe,
 )
 
 PORTS = {"scheduler": 50051, "worker": 50052, "kvmem": 50053}
@@ -276,20 +281,6 @@ def _print_ready(args: argparse.Namespace, specs: list[ServiceSpec], run_dir: Pa
     print("\n".join(lines), flush=True)
 
 
-def _health(args: argparse.Namespace) -> int:
-    """Exit 0 when the service at `addr` is ready: gRPC health SERVING, or HTTP 200."""
-    if args.addr.startswith(("http://", "https://")):
-        probe, close = http_probe(args.addr)
-    else:
-        probe, close = grpc_probe(args.addr)
-    try:
-        ok = probe()
-    finally:
-        close()
-    print("SERVING" if ok else "NOT_SERVING")
-    return 0 if ok else 1
-
-
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("worker", help="serve the model and the device KV pool (gRPC)")
     _add_worker(p)
@@ -305,10 +296,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         p = sub.add_parser("gateway", help="serve the REST and client gRPC APIs")
         gateway.add_arguments(p)
         p.set_defaults(func=_run("gateway.server"))
-    p = sub.add_parser("health", help="exit 0 if a service is ready (for container health checks)")
-    p.add_argument("addr", help="host:port of a gRPC service, or an http:// URL such as "
-                                "http://127.0.0.1:8000/health")
-    p.set_defaults(func=_health)
+    p = sub.add_parser("health", help=HEALTH_HELP)  # main() takes a shortcut to it
+    add_health_arguments(p)
+    p.set_defaults(func=run_health)
     p = sub.add_parser("serve", help="run worker, kvmem, scheduler and gateway together")
     _add_serve(p)
     p.set_defaults(func=_serve)

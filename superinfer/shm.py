@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from superinfer.daemon import pid_alive
+from superinfer.daemon import pid_alive, process_start
 
 SHM_DIR = "/dev/shm"
 PAGE = mmap.PAGESIZE
@@ -128,36 +128,49 @@ def _owner_only(name: str) -> None:
 
 
 class SegmentRecord:
-    """`<run_dir>/<service>.shm`: the segments a process created, and its pid.
+    """`<run_dir>/<service>.shm`: the segments a process created, its pid and start time.
 
     A process killed with SIGKILL cannot unlink its segments, and /dev/shm keeps them
     until reboot. The record lets whoever comes next — the restarted service, or the
-    supervisor that saw it die — unlink them, and never a live process's segments.
+    supervisor that saw it die — unlink them, and never a live process's segments. The
+    start time tells a restarted service from the one that wrote the record when both
+    have one pid (pid 1 in a container).
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def _read(self) -> tuple[int | None, list[str]]:
+    def _read(self) -> tuple[int | None, int | None, list[str]]:
         try:
             data = json.loads(self.path.read_text())
-            return int(data["pid"]), [str(n) for n in data["segments"]]
-        except (OSError, ValueError, KeyError, TypeError):
-            return None, []
+            start = data.get("start")
+            return (int(data["pid"]), None if start is None else int(start),
+                    [str(n) for n in data["segments"]])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None, None, []
+
+    @staticmethod
+    def _same(pid: int | None, start: int | None, other: int) -> bool:
+        """Is the recorded (pid, start) the live process `other`? Yes when unsure."""
+        if pid != other:
+            return False
+        now = process_start(other)
+        return start is None or now is None or now == start
 
     def _write(self, names: list[str]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".shm.tmp")
-        tmp.write_text(json.dumps({"pid": os.getpid(), "segments": names}))
+        me = os.getpid()
+        tmp.write_text(json.dumps({"pid": me, "start": process_start(me), "segments": names}))
         tmp.replace(self.path)  # atomic: a reader never sees half a record
 
     def add(self, name: str) -> None:
-        pid, names = self._read()
-        self._write([*(names if pid == os.getpid() else []), name])
+        pid, start, names = self._read()
+        self._write([*(names if self._same(pid, start, os.getpid()) else []), name])
 
     def remove(self, name: str) -> None:
-        pid, names = self._read()
-        if pid != os.getpid():
+        pid, start, names = self._read()
+        if not self._same(pid, start, os.getpid()):
             return
         rest = [n for n in names if n != name]
         if rest:
@@ -171,10 +184,12 @@ class SegmentRecord:
         `dead_pid`: only if the record is that process's (the supervisor knows which
         child died); otherwise whenever the recorded process is no longer alive.
         """
-        pid, names = self._read()
-        if pid is None or pid == os.getpid():
+        pid, start, names = self._read()
+        if pid is None or self._same(pid, start, os.getpid()):
             return []
-        if (dead_pid is not None and pid != dead_pid) or pid_alive(pid):
+        if dead_pid is not None and pid != dead_pid:
+            return []
+        if pid_alive(pid) and self._same(pid, start, pid):
             return []
         removed = []
         for name in names:

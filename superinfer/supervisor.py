@@ -27,78 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-import grpc
-import httpx
 import structlog
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from superinfer.daemon import CHANNEL_OPTIONS
+from superinfer.probes import Probe
 from superinfer.shm import SegmentRecord
 
-Probe = Callable[[], bool]
 SUPERVISOR_ENV = "SUPERINFER_SUPERVISOR_PID"
-# Probe channels retry a refused connection within 0.1-1 s, not gRPC's default backoff
-# (1 s growing to 120 s), which would hide a restarted service from its probes for minutes.
-PROBE_CHANNEL_OPTIONS = [
-    *CHANNEL_OPTIONS,
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
 
 log = structlog.get_logger()
-
-
-def _grpc_health(addr: str, timeout_s: float) -> tuple[Callable[[], int | None], Callable[[], None]]:
-    """(the health status at `addr`, or None when no answer came in `timeout_s`; close)."""
-    channel = grpc.insecure_channel(addr, options=PROBE_CHANNEL_OPTIONS)
-    stub = health_pb2_grpc.HealthStub(channel)
-
-    def status() -> int | None:
-        try:
-            return int(stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s).status)
-        except grpc.RpcError:
-            return None
-
-    return status, channel.close
-
-
-def _http_status(url: str, timeout_s: float) -> Callable[[], int | None]:
-    """The HTTP status of GET `url`, or None when no answer came in `timeout_s`."""
-    def status() -> int | None:
-        try:
-            return httpx.get(url, timeout=timeout_s, trust_env=False).status_code
-        except httpx.HTTPError:
-            return None
-
-    return status
-
-
-def grpc_probe(addr: str) -> tuple[Probe, Callable[[], None]]:
-    """(is it SERVING?, close) for the gRPC health service at `addr`: readiness."""
-    status, close = _grpc_health(addr, 1.0)
-    return (lambda: status() == health_pb2.HealthCheckResponse.SERVING), close
-
-
-def grpc_alive(addr: str, timeout_s: float = 2.0) -> tuple[Probe, Callable[[], None]]:
-    """(does it answer its health check at all?, close): liveness, whatever the status.
-
-    A service may say NOT_SERVING for a while (draining, waiting for a peer); only no
-    answer within `timeout_s` means the process is not running its event loop."""
-    status, close = _grpc_health(addr, timeout_s)
-    return (lambda: status() is not None), close
-
-
-def http_probe(url: str) -> tuple[Probe, Callable[[], None]]:
-    """(does GET `url` answer 200?, close): readiness over HTTP (the gateway's /health)."""
-    status = _http_status(url, 1.0)
-    return (lambda: status() == 200), lambda: None
-
-
-def http_alive(url: str, timeout_s: float = 2.0) -> tuple[Probe, Callable[[], None]]:
-    """Liveness over HTTP (the gateway's /livez): any response within `timeout_s`."""
-    status = _http_status(url, timeout_s)
-    return (lambda: status() is not None), lambda: None
 
 
 @dataclass

@@ -38,7 +38,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proto import client_pb2, client_pb2_grpc, common_pb2
 from superinfer.daemon import free_port
-from superinfer.supervisor import ServiceSpec, Supervisor, grpc_probe, http_probe
+from superinfer.probes import grpc_probe, http_probe
+from superinfer.supervisor import ServiceSpec, Supervisor
 from tests.test_gateway import CHILD_ENV, STARTUP_TIMEOUT_S, _environment
 
 LIMIT = 16  # --max-queued-requests

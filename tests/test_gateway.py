@@ -29,7 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proto import client_pb2, client_pb2_grpc, common_pb2
 from superinfer.daemon import free_port
-from superinfer.supervisor import ServiceSpec, Supervisor, grpc_probe, http_probe
+from superinfer.probes import grpc_probe, http_probe
+from superinfer.supervisor import ServiceSpec, Supervisor
 
 DEVICE_BLOCKS = 256
 MAX_TOKENS = 16

@@ -31,7 +31,8 @@ from proto import (
 )
 from superinfer.daemon import CHANNEL_OPTIONS, free_port
 from superinfer.modelfile import resolve_model
-from superinfer.supervisor import ServiceSpec, Supervisor, grpc_probe
+from superinfer.probes import grpc_probe
+from superinfer.supervisor import ServiceSpec, Supervisor
 from superinfer.tokenizer import Tokenizer
 from tests.prompts import PROMPTS
 

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -146,7 +147,7 @@ def _health_server(port: int, status: str, freeze_after_s: float | None = None) 
 
 def _grpc_service(name: str, code_for_port: Callable[[int], str], timeout_s: float = 0.3) -> ServiceSpec:
     from superinfer.daemon import free_port
-    from superinfer.supervisor import grpc_alive, grpc_probe
+    from superinfer.probes import grpc_alive, grpc_probe
 
     port = free_port()
     addr = f"127.0.0.1:{port}"
@@ -192,3 +193,54 @@ def test_a_not_serving_service_is_alive(tmp_path: Path) -> None:
         assert not [e for e in logs if e["event"] == "service_unresponsive"]
     finally:
         sup.stop_all()
+
+
+def test_reaper_tells_a_restarted_service_from_the_one_with_its_pid(tmp_path: Path) -> None:
+    """In a container every restart of the worker is pid 1: a record that names this pid
+    but another start time is a dead predecessor's, and its segments must go."""
+    record = tmp_path / "worker.shm"
+    proc = subprocess.Popen([sys.executable, "-c", _MAKER, str(record)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        name = proc.stdout.readline().strip()
+        data = json.loads(record.read_text())
+        assert data["pid"] == proc.pid and data["start"] is not None
+        proc.kill()
+        proc.wait()
+        # The predecessor had our pid: same record, pid rewritten to ours.
+        record.write_text(json.dumps({**data, "pid": os.getpid()}))
+        SegmentRecord(record).remove(name)  # not ours to drop from the record
+        assert SegmentRecord(record).reap() == [name]
+        assert not os.path.exists(f"/dev/shm/{name}") and not record.exists()
+        # And this process's own record is never reaped, by itself or anyone.
+        SegmentRecord(record).add("si-kv-test-mine")
+        assert SegmentRecord(record).reap() == []
+        assert json.loads(record.read_text())["segments"] == ["si-kv-test-mine"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize(("status", "rc"), [("SERVING", 0), ("NOT_SERVING", 1)])
+def test_health_command_exit_status(status: str, rc: int) -> None:
+    """`superinfer health` (the containers' health check) against a real health service."""
+    from superinfer.daemon import free_port
+    from superinfer.probes import grpc_alive
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", _health_server(port, status)])
+    alive, close = grpc_alive(f"127.0.0.1:{port}")
+    try:
+        deadline = time.monotonic() + 30
+        while not alive():
+            assert time.monotonic() < deadline, "the health server did not start"
+            time.sleep(0.05)
+        out = subprocess.run([sys.executable, "-m", "superinfer.cli", "health",
+                              f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60)
+        assert (out.returncode, out.stdout.strip()) == (rc, status)
+    finally:
+        close()
+        server.kill()
+        server.wait()

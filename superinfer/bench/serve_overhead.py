@@ -25,7 +25,8 @@ import httpx
 from superinfer.bench.engine import PROMPTS
 from superinfer.bench.report import table, write_json
 from superinfer.daemon import free_port
-from superinfer.supervisor import ServiceSpec, Supervisor, grpc_probe, http_probe
+from superinfer.probes import grpc_probe, http_probe
+from superinfer.supervisor import ServiceSpec, Supervisor
 
 
 @dataclass(slots=True)

@@ -286,7 +286,8 @@ class _Services:
         self.running: dict[str, Any] = {}  # name -> its Supervisor
 
     def start(self, name: str, argv: list[str]) -> str:
-        from superinfer.supervisor import ServiceSpec, Supervisor, grpc_probe
+        from superinfer.probes import grpc_probe
+        from superinfer.supervisor import ServiceSpec, Supervisor
 
         port = free_port()
         addr = f"127.0.0.1:{port}"
