@@ -530,6 +530,7 @@ def test_bench_transfer_reports_every_mode(tmp_path: Path, capsys: pytest.Captur
                               "duplex_over_layer_first", "duplex_over_one_direction"}
         assert goals["duplex_over_layer_first"]["median"] == shape["duplex_vs_layer_first"]["median"]
         assert all(g["met"] == (g["median"] >= g["target"]) for g in goals.values())
+        assert shape["block_first_d2h_gbps"] > 0 and shape["block_first_h2d_gbps"] > 0
     printed = capsys.readouterr().out
     assert "duplex" in printed and "block-first / layer-first" in printed
 
@@ -641,3 +642,6 @@ def test_gpu_bench_transfer_against_the_link(tmp_path: Path) -> None:
     assert qwen["device"] == "cuda" and qwen["raw_d2h_gbps"] > 1 and qwen["raw_h2d_gbps"] > 1
     assert qwen["block_first_vs_raw"]["median"] > 0.5
     assert qwen["duplex_vs_block_first"]["median"] > 1.0
+    goals = {g["goal"] for g in qwen["goals"]}
+    assert {"block_first_d2h_share_of_link", "block_first_h2d_share_of_link"} <= goals
+    assert qwen["block_first_d2h_gbps"] > 1 and qwen["block_first_h2d_gbps"] > 1
