@@ -320,3 +320,40 @@ def test_dataset_prompts_are_cut_never_padded(bundled_tokenizer: TextTokenizer) 
     assert len(bundled_tokenizer.encode(cut)) == 12 and text.startswith(cut)
     assert fit_prompt(text, 10_000, bundled_tokenizer) == text
     assert fit_prompt(text, 5, None) == text[:20]
+
+
+@pytest.mark.parametrize("no_progress", [False, True])
+def test_progress_bar_on_a_terminal_only_when_asked(stack: Stack, tmp_path: Path,
+                                                    no_progress: bool) -> None:
+    """The tqdm bar goes to stderr when it is a terminal (a pty here), and --no-progress
+    turns it off; stdout keeps the table either way."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    # A terminal has a size; a fresh pty's is 0x0, where tqdm draws a bar of width 0.
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    argv = [sys.executable, "-m", "superinfer.cli", "bench", "serve", "--base-url",
+            f"{stack.http_url}/v1", "--num-prompts", "4", "--rps", "inf",
+            "--max-prompt-len", "32", "--max-output-len", "4",
+            "--json", str(tmp_path / "out.json"), *(["--no-progress"] if no_progress else [])]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=slave, text=True)
+    os.close(slave)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # the child closed its end (EIO on Linux)
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(master)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, seen.decode(errors="replace")
+    assert "TTFT" in out
+    bar = b"/4 [" in seen and b"req/s]" in seen  # "1/4 [00:00<00:02,  1.28req/s]"
+    assert bar is not no_progress, seen.decode(errors="replace")
