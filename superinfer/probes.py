@@ -16,7 +16,10 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from superinfer.argtypes import positive
 from superinfer.daemon import CHANNEL_OPTIONS
+
+HEALTH_HELP = "exit 0 if a service is ready (for container health checks)"
 
 Probe = Callable[[], bool]
 # Probe channels retry a refused connection within 0.1-1 s, not gRPC's default backoff
@@ -83,7 +86,7 @@ def http_alive(url: str, timeout_s: float = 2.0) -> tuple[Probe, Callable[[], No
 def add_health_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("addr", help="host:port of a gRPC service, or an http:// URL such as "
                                 "http://127.0.0.1:8000/health")
-    p.add_argument("--timeout", type=float, default=3.0,
+    p.add_argument("--timeout", type=positive(float), default=3.0,
                    help="seconds to wait for the answer (3; keep it under the container "
                         "health check's own timeout)")
 
@@ -107,6 +110,3 @@ def health_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="superinfer health", description=HEALTH_HELP)
     add_health_arguments(p)
     return run_health(p.parse_args(argv))
-
-
-HEALTH_HELP = "exit 0 if a service is ready (for container health checks)"
