@@ -110,3 +110,10 @@ def test_health_check_stays_light() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout.split()
     assert out[-3:] == ["NOT_SERVING", "1", "False"]
+
+
+def test_gateway_takes_the_api_key_from_the_host(compose: dict[str, Any]) -> None:
+    """The key reaches the gateway by name only, never written into the file."""
+    from gateway.server import API_KEY_ENV
+
+    assert compose["gateway"]["environment"] == [API_KEY_ENV]
