@@ -18,6 +18,7 @@ import argparse
 import json
 import statistics
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from superinfer.sim import cli
@@ -57,24 +58,28 @@ def breakdown(records: list[RequestRecord], arrivals_end_s: float) -> dict[str, 
     }
 
 
+def run_one(args: argparse.Namespace, rps: float, text: str) -> dict[str, Any]:
+    """One simulation, reduced to its table row (a process of its own under --jobs)."""
+    hw, model, cfg = load_hardware(args.hardware), load_model(args.model), cli.build_config(args)
+    spec = cli.workload_spec(args, rps)
+    trace = build_trace(spec, None)
+    end = max(t.arrival_s for t in trace)
+    v = PolicyVariant.parse(text)
+    m = (res := simulate(hw, model, v, cfg, trace, spec.trace_duration_s)).metrics
+    return {"policy": v.label, "rps": rps, "ttft_attainment": m.ttft_attainment,
+            "tbt_attainment": m.tbt_attainment, "tpot_attainment": m.tpot_attainment,
+            "goodput_rps": m.goodput_rps, "rotations": m.rotations,
+            **breakdown(res.records, end)}
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_arguments(p)
     args = p.parse_args(argv)
-    hw, model, cfg = load_hardware(args.hardware), load_model(args.model), cli.build_config(args)
-    rows: list[dict[str, Any]] = []
-    for rps in args.rps:
-        spec = cli.workload_spec(args, rps)
-        trace = build_trace(spec, None)
-        end = max(t.arrival_s for t in trace)
-        for text in args.policies.split(","):
-            v = PolicyVariant.parse(text)
-            res = simulate(hw, model, v, cfg, trace, spec.trace_duration_s)
-            m = res.metrics
-            rows.append({"policy": v.label, "rps": rps, "ttft_attainment": m.ttft_attainment,
-                         "tbt_attainment": m.tbt_attainment, "tpot_attainment": m.tpot_attainment,
-                         "goodput_rps": m.goodput_rps, "rotations": m.rotations,
-                         **breakdown(res.records, end)})
+    hw, model = load_hardware(args.hardware), load_model(args.model)
+    runs = [(rps, text) for rps in args.rps for text in args.policies.split(",")]
+    with ProcessPoolExecutor(max(1, args.jobs)) as pool:  # rows in the order of `runs`
+        rows = list(pool.map(run_one, [args] * len(runs), *zip(*runs, strict=True)))
     w = max(len(r["policy"]) for r in rows) if rows else 6
     head = (f"{'rps':>4} {'policy':<{w}} {'TTFT%':>6} {'miss':>5} {'long':>5} {'drain':>5} "
             f"{'p~miss':>6} {'p~hit':>6} {'TBT%':>6} {'mGaps':>6} {'stall_s':>8} {'maxgap':>7} "
