@@ -95,32 +95,36 @@ def ask(client: OpenAI, timeout: float = 120) -> bool:
             time.sleep(1)
 
 
-def streams(client: OpenAI, kill: Any = None) -> tuple[dict[int, str | None], float]:
-    """STREAMS greedy chats at once; `kill()` runs 3 s in. Texts (None: the stream failed)."""
-    out: dict[int, str | None] = {}
+class Streams:
+    """STREAMS greedy chats started at once; `texts` (None: the stream failed) and the
+    time each one ended fill in as they finish."""
 
-    def one(i: int) -> None:
+    def __init__(self, client: OpenAI) -> None:
+        self.texts: dict[int, str | None] = {}
+        self.ended: dict[int, float] = {}
+        self.started = time.monotonic()
+        self.threads = [threading.Thread(target=self._one, args=(client, i))
+                        for i in range(STREAMS)]
+        for t in self.threads:
+            t.start()
+
+    def _one(self, client: OpenAI, i: int) -> None:
         try:
             s = client.chat.completions.create(
                 model=MODEL, stream=True, max_tokens=200, temperature=0,
                 messages=[{"role": "user", "content": f"Write a long story about robot {i}."}],
                 extra_body={"ignore_eos": True})
-            out[i] = "".join(c.choices[0].delta.content or "" for c in s if c.choices)
+            self.texts[i] = "".join(c.choices[0].delta.content or "" for c in s if c.choices)
         except Exception as e:  # noqa: BLE001 - any failure is the stream's outcome
-            out[i] = None
+            self.texts[i] = None
             print(f"  stream {i}: {type(e).__name__}: {e}", file=sys.stderr)
+        self.ended[i] = time.monotonic()
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(STREAMS)]
-    t0 = time.monotonic()
-    for t in threads:
-        t.start()
-    if kill is not None:
-        time.sleep(3)
-        kill()
-        t0 = time.monotonic()  # measured from the kill
-    for t in threads:
-        t.join()
-    return out, time.monotonic() - t0
+    def join(self) -> float:
+        """Wait for every stream; the time the last one ended."""
+        for t in self.threads:
+            t.join()
+        return max(self.ended.values())
 
 
 def segments(compose: list[str]) -> list[str]:
@@ -138,7 +142,9 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     try:
         wait_healthy(container(compose, "gateway"))
-        reference, ref_s = streams(client)
+        ref = Streams(client)
+        ref_s = ref.join() - ref.started
+        reference = ref.texts
         if any(v is None for v in reference.values()):
             sys.exit("the reference streams failed: is the stack healthy?")
         print(f"reference: {STREAMS} streams in {ref_s:.1f} s")
@@ -146,26 +152,15 @@ def main() -> int:
             cid = container(compose, service)
             before = int(sh("docker", "inspect", "-f", "{{.RestartCount}}", cid))
             pid = sh("docker", "inspect", "-f", "{{.State.Pid}}", cid)
-            back: dict[str, float] = {}
-            watcher: list[threading.Thread] = []
-
-            def kill(pid: str = pid, cid: str = cid, before: int = before,
-                     back: dict[str, float] = back,
-                     watcher: list[threading.Thread] = watcher) -> None:
-                sh("kill", "-9", pid)
-                t_kill = time.monotonic()
-
-                def watch() -> None:  # while the streams go on
-                    wait_restarted(cid, before)
-                    wait_healthy(cid)
-                    back["s"] = time.monotonic() - t_kill
-
-                watcher.append(threading.Thread(target=watch))
-                watcher[0].start()
-
-            texts, took = streams(client, kill=kill)
-            watcher[0].join()
-            back_s = back["s"]
+            run = Streams(client)
+            time.sleep(3)
+            sh("kill", "-9", pid)
+            t_kill = time.monotonic()
+            wait_restarted(cid, before)  # while the streams go on
+            wait_healthy(cid)
+            back_s = time.monotonic() - t_kill
+            took = run.join() - t_kill
+            texts = run.texts
             after = int(sh("docker", "inspect", "-f", "{{.RestartCount}}", cid))
             new_ok = ask(client)
             row = {

@@ -89,16 +89,26 @@ def read_pid(path: Path) -> int | None:
         return None
 
 
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields 3 on of /proc/<pid>/stat (state, ppid, ...: after the command name, which may
+    hold spaces and parentheses), or None when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def process_start(pid: int) -> int | None:
     """When process `pid` started (clock ticks after boot), or None if it is gone.
 
     A pid names a process only together with its start: in a container every restart of
     the service is pid 1 again.
     """
+    fields = _proc_stat(pid)
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
-    except (OSError, IndexError, ValueError):
+        return int(fields[19]) if fields else None  # field 22, starttime
+    except (IndexError, ValueError):
         return None
 
 
@@ -110,11 +120,8 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     # A zombie (dead, not yet reaped by its parent) still answers signal 0.
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
+    fields = _proc_stat(pid)
+    return not fields or fields[0] != "Z"
 
 
 def add_daemon_arguments(p: argparse.ArgumentParser, port: int) -> None:

@@ -31,6 +31,7 @@ PROBE_CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
+
 def _grpc_health(addr: str, timeout_s: float) -> tuple[Callable[[], int | None], Callable[[], None]]:
     """(the health status at `addr`, or None when no answer came in `timeout_s`; close)."""
     channel = grpc.insecure_channel(addr, options=PROBE_CHANNEL_OPTIONS)

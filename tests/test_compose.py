@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -101,9 +103,6 @@ def test_image_copies_every_installed_package() -> None:
 def test_health_check_stays_light() -> None:
     """Docker runs `superinfer health` every 5 s with a 5 s timeout: it must not import
     torch (~3 s on a busy 2-CPU container, where the checks then timed out)."""
-    import subprocess
-    import sys
-
     code = ("import sys; from superinfer.cli import main; "
             "rc = main(['health', '127.0.0.1:1', '--timeout', '0.2']); "
             "print(rc, 'torch' in sys.modules)")
