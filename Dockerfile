@@ -17,6 +17,7 @@ RUN pip install "$TORCH_SPEC" --index-url "$TORCH_INDEX"
 
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY common ./common
 COPY superinfer ./superinfer
 COPY scheduler_svc ./scheduler_svc
 COPY kvmem_svc ./kvmem_svc

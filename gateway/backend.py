@@ -16,11 +16,11 @@ from pathlib import Path
 import grpc
 import structlog
 
+from common.errors import SuperInferError
+from common.modelfile import ModelKind, ModelSource
+from common.tokenizer import Tokenizer
 from gateway.errors import APIError, from_grpc, unavailable
 from proto import scheduler_pb2, scheduler_pb2_grpc
-from superinfer.errors import SuperInferError
-from superinfer.modelfile import ModelKind, ModelSource
-from superinfer.tokenizer import Tokenizer
 
 # A lazy proxy, not get_logger(): a logger bound at import time would keep the default
 # configuration instead of the one configure_logging() installs later.

@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from superinfer.errors import RETRY_PUSHBACK_KEY, SuperInferError
+from common.errors import RETRY_PUSHBACK_KEY, SuperInferError
 
 # Seconds a client should wait before retrying a 429/503.
 RETRY_AFTER_S = 1

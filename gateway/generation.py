@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
+from common.output import OutputTracker
 from gateway.backend import ModelState, SchedulerBackend
 from gateway.errors import APIError, from_grpc
 from gateway.metrics import GatewayMetrics
 from proto import scheduler_pb2
-from superinfer.output import OutputTracker
 
 # A lazy proxy, not get_logger(): a logger bound at import time would keep the default
 # configuration instead of the one configure_logging() installs later.

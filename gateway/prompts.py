@@ -12,11 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from common.errors import SuperInferError
+from common.tokenizer import Tokenizer
 from gateway.errors import APIError, from_superinfer, invalid
 from gateway.openai_schema import INT32_MAX, ChatMessage, SLOSpec
 from proto import common_pb2
-from superinfer.errors import SuperInferError
-from superinfer.tokenizer import Tokenizer
 
 T = TypeVar("T")
 

@@ -13,10 +13,10 @@ import os
 import sys
 from pathlib import Path
 
+from common.daemon import PidFile
+from common.logging import configure_logging, get_logger
 from gateway.context import GatewaySettings
 from gateway.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_IN_FLIGHT
-from superinfer.daemon import PidFile
-from superinfer.logging import configure_logging, get_logger
 
 API_KEY_ENV = "SUPERINFER_API_KEY"
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from common.contracts import TransferPlan
 from kvmem_svc.duplex import DuplexEngine, Mode, TransferTiming
 from kvmem_svc.layout import coalesce
-from scheduler_svc.block_manager import TransferPlan
 
 __all__ = ["LocalCopyEngine", "coalesce", "copy_blocks"]
 

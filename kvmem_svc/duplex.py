@@ -48,10 +48,10 @@ from functools import partial
 import structlog
 import torch
 
+from common.contracts import TransferPlan
 from kvmem_svc.cpu_copy import copy_runs, copy_segments, memmove_ok
 from kvmem_svc.cuda_copy import CudaCopier, PendingStep
 from kvmem_svc.layout import PoolGeometry, coalesce
-from scheduler_svc.block_manager import TransferPlan
 
 log = structlog.get_logger()
 

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
+from common.shm import prefault
 from kvmem_svc.cuda_copy import CudaRuntime
-from superinfer.shm import prefault
 
 NODE_DIR = Path("/sys/devices/system/node")
 _MPOL_PREFERRED, _MPOL_BIND = 1, 2

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from common.dtypes import DTYPES
+from common.pool_handle import decode_cuda_ipc
+from common.shm import SharedTensor, tensor_nbytes
 from proto import worker_pb2
-from superinfer.engine import DTYPES
-from superinfer.shm import SharedTensor, tensor_nbytes
-from worker.kv_pool import decode_cuda_ipc
 
 
 class DeviceMapping:

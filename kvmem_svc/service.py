@@ -16,14 +16,14 @@ import uuid
 import grpc
 import structlog
 
+from common.config import EngineConfig
+from common.contracts import TransferPlan
+from common.daemon import Daemon, run_daemon
 from kvmem_svc.duplex import DuplexEngine, Mode, TransferConflict, TransferError
 from kvmem_svc.hostmem import HostMemory, allocate_host_pool
 from kvmem_svc.pool import DeviceMapping
 from kvmem_svc.tunables import nt_threshold_in_effect, reexec_with_copy_tunables
 from proto import kvmem_pb2, kvmem_pb2_grpc, worker_pb2
-from scheduler_svc.block_manager import TransferPlan
-from superinfer.config import EngineConfig
-from superinfer.daemon import Daemon, run_daemon
 
 log = structlog.get_logger()
 

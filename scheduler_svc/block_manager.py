@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from common.contracts import TransferPlan
 from scheduler_svc.request import Request, RequestState
 
 
@@ -72,23 +73,6 @@ class BlockTable:
 
     def __len__(self) -> int:
         return len(self.device)
-
-
-@dataclass(slots=True)
-class TransferPlan:
-    """Block copies one iteration asks for, under one fence."""
-
-    fence: int
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) D2H
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) H2D
-    eager: list[tuple[int, int]] = field(default_factory=list)  # (device, host) D2H, background
-
-    def __bool__(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.eager)
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.swap_out) + len(self.swap_in) + len(self.eager)
 
 
 class BlockManager:

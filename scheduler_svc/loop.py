@@ -24,12 +24,11 @@ from dataclasses import dataclass, field, fields
 import grpc
 import structlog
 
-from scheduler_svc.block_manager import TransferPlan
-from scheduler_svc.interfaces import ExecuteResult
+from common.contracts import ExecuteResult, TransferPlan
 from scheduler_svc.remote import RemoteKVMem, RemoteWorker
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import RequestEvent, Scheduler
-from superinfer.trace import Trace, scheduler_load
+from scheduler_svc.trace import Trace, scheduler_load
 
 log = structlog.get_logger()
 

@@ -18,11 +18,10 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.contracts import ExecuteResult, ScheduledChunk, TransferPlan
+from common.daemon import CHANNEL_OPTIONS
+from common.wire import chunk_to_proto, plan_to_proto, result_from_proto
 from proto import kvmem_pb2, kvmem_pb2_grpc, scheduler_pb2, worker_pb2, worker_pb2_grpc
-from scheduler_svc.block_manager import TransferPlan
-from scheduler_svc.interfaces import ExecuteResult, ScheduledChunk
-from scheduler_svc.wire import chunk_to_proto, plan_to_proto, result_from_proto
-from superinfer.daemon import CHANNEL_OPTIONS
 
 RPC_TIMEOUT_S = 120.0  # default deadline of one batch (Execute, Transfer)
 ATTACH_TIMEOUT_S = 600.0  # allocating and pre-faulting a multi-GiB host pool takes a while

@@ -13,8 +13,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 
-from scheduler_svc.block_manager import BlockManager, TransferPlan
-from scheduler_svc.interfaces import ExecuteResult, ScheduledChunk, SchedulerOutput
+from common.contracts import ExecuteResult, ScheduledChunk, TransferPlan
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.interfaces import SchedulerOutput
 from scheduler_svc.policy import Policy
 from scheduler_svc.policy.base import arrival_order
 from scheduler_svc.queue import Entry, RequestQueue

@@ -19,18 +19,17 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
+from common.config import EngineConfig
+from common.daemon import Daemon, run_daemon
+from common.errors import RETRY_PUSHBACK_KEY
+from common.modelfile import resolve_model
+from common.tokenizer import Tokenizer
 from proto import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.loop import ServingLoop
-from scheduler_svc.policy import make_policy
 from scheduler_svc.remote import RPC_TIMEOUT_S, RemoteKVMem, RemoteWorker, wait_serving
 from scheduler_svc.request import SLO, InvalidSamplingParams, Request, SamplingParams
-from scheduler_svc.scheduler import Scheduler
-from superinfer.config import EngineConfig
-from superinfer.daemon import Daemon, run_daemon
-from superinfer.errors import RETRY_PUSHBACK_KEY
-from superinfer.modelfile import resolve_model
-from superinfer.tokenizer import Tokenizer
-from superinfer.trace import Trace
+from scheduler_svc.setup import build_scheduler, default_slo
+from scheduler_svc.trace import Trace
 
 log = structlog.get_logger()
 
@@ -67,11 +66,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
 
         cfg = dataclasses.replace(self.config, block_size=int(handle.shape[3]))
-        sched_cfg = cfg.scheduler_config(int(handle.shape[0]), attached.host_blocks,
-                                         info.max_model_len)
-        scheduler = Scheduler(
-            sched_cfg, make_policy(cfg.policy, cfg.vlt_params, cfg.rotation_limits)
-        )
+        scheduler = build_scheduler(cfg, int(handle.shape[0]), attached.host_blocks,
+                                    info.max_model_len)
+        sched_cfg = scheduler.config
         self.info = scheduler_pb2.ModelInfo()
         self.info.CopyFrom(info)
         self.info.max_model_len = sched_cfg.max_model_len
@@ -180,7 +177,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             stop_token_ids=tuple(s.stop_token_ids),
             ignore_eos=s.ignore_eos,
         )
-        default = self.config.default_slo
+        default = default_slo(self.config)
         ttft, tbt = m.slo.ttft_s or default.ttft_s, m.slo.tbt_s or default.tbt_s
         if not (math.isfinite(ttft) and math.isfinite(tbt)):
             raise ValueError(f"SLOs must be finite, got ttft_s={ttft}, tbt_s={tbt}")

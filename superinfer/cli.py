@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from superinfer.errors import SuperInferError
+from common.errors import SuperInferError
 
 
 def _die(msg: str) -> int:
@@ -16,8 +16,8 @@ def _die(msg: str) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from common.config import EngineConfig
     from scheduler_svc.request import InvalidSamplingParams, SamplingParams
-    from superinfer.config import EngineConfig
     from superinfer.engine import LLMEngine
 
     if args.prompt is None and args.prompts_file is None:
@@ -69,7 +69,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    from superinfer.config import EngineConfig
+    from common.config import EngineConfig
 
     p = sub.add_parser("generate", help="run prompts through the engine in this process")
     p.add_argument("--prompt", help="one prompt")

@@ -12,21 +12,21 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.config import EngineConfig
+from common.contracts import KVShape
+from common.dtypes import DTYPES
+from common.errors import ContextLengthError, InvalidRequestError
+from common.modelfile import ModelSource, resolve_model
+from common.output import OutputTracker
+from common.tokenizer import Tokenizer
 from kvmem_svc.copy import LocalCopyEngine
-from scheduler_svc.policy import make_policy
 from scheduler_svc.request import SLO, FinishReason, Request, SamplingParams
-from scheduler_svc.scheduler import RequestEvent, Scheduler
-from superinfer.config import EngineConfig
-from superinfer.errors import ContextLengthError, InvalidRequestError
-from superinfer.modelfile import ModelSource, resolve_model
-from superinfer.output import OutputTracker
-from superinfer.tokenizer import Tokenizer
-from superinfer.trace import Trace, scheduler_load
+from scheduler_svc.scheduler import RequestEvent
+from scheduler_svc.setup import build_scheduler, default_slo
+from scheduler_svc.trace import Trace, scheduler_load
 from worker.loader import load_weights
 from worker.model import LlamaModel
-from worker.runner import KVShape, ModelRunner, kv_block_bytes
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from worker.runner import ModelRunner, kv_block_bytes
 
 
 @dataclass(slots=True)
@@ -65,10 +65,7 @@ class LLMEngine:
         self.host_pool = torch.zeros((host, *self.runner.kv.shape[1:]), dtype=dtype)
         self.copier = LocalCopyEngine(self.runner.kv, self.host_pool)
         self.max_model_len = min(config.max_model_len or mcfg.max_position, mcfg.max_position)
-        self.scheduler = Scheduler(
-            config.scheduler_config(dev, host, mcfg.max_position),
-            make_policy(config.policy, config.vlt_params, config.rotation_limits),
-        )
+        self.scheduler = build_scheduler(config, dev, host, mcfg.max_position)
         self.trackers: dict[str, OutputTracker] = {}
         self._ids = itertools.count()
         self.transfer_s = 0.0
@@ -109,7 +106,7 @@ class LLMEngine:
             prompt_token_ids=list(prompt_token_ids),
             sampling=sampling,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            slo=slo or self.config.default_slo,
+            slo=slo or default_slo(self.config),
             eos_token_ids=tuple(self.tokenizer.eos_token_ids),
             max_model_len=self.max_model_len,
         )

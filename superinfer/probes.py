@@ -16,8 +16,8 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.daemon import CHANNEL_OPTIONS
 from superinfer.argtypes import positive
-from superinfer.daemon import CHANNEL_OPTIONS
 
 HEALTH_HELP = "exit 0 if a service is ready (for container health checks)"
 

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType, ModuleType
 
-from superinfer.config import EngineConfig
-from superinfer.daemon import add_daemon_arguments
-from superinfer.logging import configure_logging
+from common.config import EngineConfig
+from common.daemon import add_daemon_arguments
+from common.logging import configure_logging
 from superinfer.probes import (
     HEALTH_HELP,
     add_health_arguments,

@@ -29,8 +29,8 @@ from typing import IO
 
 import structlog
 
+from common.shm import SegmentRecord
 from superinfer.probes import Probe
-from superinfer.shm import SegmentRecord
 
 SUPERVISOR_ENV = "SUPERINFER_SUPERVISOR_PID"
 

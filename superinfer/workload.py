@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from superinfer.errors import SuperInferError
+from common.errors import SuperInferError
 
 
 class WorkloadError(SuperInferError):
@@ -290,3 +290,15 @@ def trace_stats(trace: list[TraceRequest]) -> dict[str, float]:
         "output_p99": float(np.percentile(o, 99)),
         "arrival_span_s": span,
     }
+
+
+def length_counter(name: str | None) -> Callable[[str], list[int]] | None:
+    """Token counting for a dataset file's lengths: `name` a model ('bundled', a .gguf or
+    a HF dir), or None for the default (characters / 4)."""
+    if name is None:
+        return None
+    from common.modelfile import resolve_model
+    from common.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_source(resolve_model(None if name == "bundled" else name))
+    return lambda text: tok.encode(text, add_special_tokens=False)

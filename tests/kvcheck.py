@@ -9,8 +9,7 @@ the context, so a correct engine produces the same tokens under any schedule.
 
 from __future__ import annotations
 
-from scheduler_svc.block_manager import TransferPlan
-from scheduler_svc.interfaces import ExecuteResult, ScheduledChunk
+from common.contracts import ExecuteResult, ScheduledChunk, TransferPlan
 
 VOCAB = 1000
 EMPTY = -1

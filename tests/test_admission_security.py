@@ -36,8 +36,8 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.daemon import free_port
 from proto import client_pb2, client_pb2_grpc, common_pb2
-from superinfer.daemon import free_port
 from superinfer.probes import grpc_probe, http_probe
 from superinfer.supervisor import ServiceSpec, Supervisor
 from tests.test_gateway import CHILD_ENV, STARTUP_TIMEOUT_S, _environment

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
+from common.daemon import free_port
 from superinfer.bench.serve.prompts import TextTokenizer, fit_prompt, synthetic_prompt
 from superinfer.bench.serve.runner import metrics_url
 from superinfer.bench.serve.stream import SSEReader, StreamOutcome, error_body_message
 from superinfer.cli import main as cli_main
-from superinfer.daemon import free_port
 from superinfer.slo_metrics import compute_metrics
 from tests import test_gateway
 from tests.test_gateway import Stack
@@ -295,8 +295,8 @@ def test_error_bodies_and_metrics_url() -> None:
 
 @pytest.fixture(scope="module")
 def bundled_tokenizer() -> TextTokenizer:
-    from superinfer.modelfile import resolve_model
-    from superinfer.tokenizer import Tokenizer
+    from common.modelfile import resolve_model
+    from common.tokenizer import Tokenizer
 
     tok = Tokenizer.from_source(resolve_model(None))
     return TextTokenizer(encode=lambda t: tok.encode(t, add_special_tokens=False),

@@ -19,11 +19,11 @@ import pytest
 import torch
 
 import kvmem_svc.duplex as duplex
+from common.contracts import TransferPlan
 from kvmem_svc.copy import LocalCopyEngine, coalesce, copy_blocks
 from kvmem_svc.duplex import DuplexEngine, Mode, TransferConflict, TransferError
 from kvmem_svc.hostmem import allocate_host_pool, online_nodes
 from kvmem_svc.layout import PoolGeometry
-from scheduler_svc.block_manager import TransferPlan
 
 MODES = [m.value for m in Mode]
 BLOCK = (3, 2, 4, 2, 8)  # layers, K/V, block_size, kv_heads, head_dim

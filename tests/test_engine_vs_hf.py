@@ -10,8 +10,8 @@ import os
 
 import pytest
 
+from common.config import EngineConfig
 from scheduler_svc.request import SamplingParams
-from superinfer.config import EngineConfig
 from superinfer.engine import LLMEngine
 
 NEW_TOKENS = 32

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from superinfer.errors import (
+from common.errors import (
     ContextLengthError,
     InvalidRequestError,
     ModelLoadError,

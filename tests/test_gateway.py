@@ -27,8 +27,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.daemon import free_port
 from proto import client_pb2, client_pb2_grpc, common_pb2
-from superinfer.daemon import free_port
 from superinfer.probes import grpc_probe, http_probe
 from superinfer.supervisor import ServiceSpec, Supervisor
 
@@ -56,7 +56,7 @@ CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."
 _REFERENCE_SCRIPT = """
 import json, sys
 from scheduler_svc.request import SamplingParams
-from superinfer.config import EngineConfig
+from common.config import EngineConfig
 from superinfer.engine import LLMEngine
 spec = json.load(sys.stdin)
 engine = LLMEngine(EngineConfig(device_blocks=512, host_blocks=0))
@@ -590,7 +590,7 @@ def test_grpc_generate_abort_and_errors(stack: Stack) -> None:
 def test_scheduler_trace_has_iterations_transfers_and_request_states(stack: Stack) -> None:
     """`--trace`: one span per iteration on the schedule / execute tracks, load counters, and
     each finished request's states on its own async track (Perfetto / chrome://tracing)."""
-    from superinfer.trace import load_trace
+    from scheduler_svc.trace import load_trace
 
     with stack.http() as h:
         r = h.post("/v1/completions", json={"model": stack.model, "prompt": "Trace me",

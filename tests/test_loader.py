@@ -39,7 +39,7 @@ NEW_TOKENS = 8
 
 def _bundled_gguf() -> pathlib.Path:
     try:
-        from superinfer.modelfile import bundled_model_path
+        from common.modelfile import bundled_model_path
 
         return bundled_model_path()
     except ImportError:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from superinfer.logging import configure_logging, get_logger
+from common.logging import configure_logging, get_logger
 
 
 def test_json_lines_to_stderr_and_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from superinfer.errors import ModelLoadError
-from superinfer.modelfile import bundled_model_path, read_gguf_metadata, resolve_model
+from common.errors import ModelLoadError
+from common.modelfile import bundled_model_path, read_gguf_metadata, resolve_model
 
 
 def test_bundled_model_is_found() -> None:

@@ -110,7 +110,7 @@ def _filled(policy: str, limits: RotationLimits | None = None) -> tuple[Schedule
 
 
 def _sampled(out):  # type: ignore[no-untyped-def]
-    from scheduler_svc.interfaces import ExecuteResult
+    from common.contracts import ExecuteResult
 
     return ExecuteResult({c.request_id: 5 for c in out.chunks if c.sample})
 

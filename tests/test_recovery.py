@@ -32,8 +32,8 @@ import grpc
 import httpx
 import pytest
 
+from common.daemon import CHANNEL_OPTIONS, free_port
 from proto import scheduler_pb2, scheduler_pb2_grpc
-from superinfer.daemon import CHANNEL_OPTIONS, free_port
 from tests.prompts import PROMPTS
 
 MAX_TOKENS = 64

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from common.config import EngineConfig
 from scheduler_svc.policy import POLICY_NAMES
 from scheduler_svc.request import SamplingParams
-from superinfer.config import EngineConfig
 from superinfer.engine import LLMEngine
 
 PROMPTS = [

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from scheduler_svc.block_manager import TransferPlan
+from common.contracts import TransferPlan
 from scheduler_svc.policy import POLICY_NAMES, RotationLimits, make_policy
 from scheduler_svc.request import SLO, Request, RequestState, SamplingParams
 from scheduler_svc.scheduler import Recovery, Scheduler, SchedulerConfig

@@ -20,21 +20,21 @@ import grpc
 import pytest
 import torch
 
+from common.contracts import ExecuteResult, ScheduledChunk, TransferPlan
+from common.daemon import CHANNEL_OPTIONS, SERVER_OPTIONS, PidFile
+from common.pool_handle import decode_cuda_ipc, encode_cuda_ipc
+from common.shm import SharedTensor
+from common.wire import chunk_from_proto, chunk_to_proto, plan_to_proto
 from kvmem_svc.service import KVMemService
 from proto import kvmem_pb2, kvmem_pb2_grpc, worker_pb2
-from scheduler_svc.block_manager import TransferPlan
-from scheduler_svc.interfaces import ExecuteResult, ScheduledChunk
 from scheduler_svc.loop import ServingLoop, StreamEvent
 from scheduler_svc.policy import make_policy
 from scheduler_svc.request import SLO, Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.wire import chunk_from_proto, chunk_to_proto, plan_to_proto
 from superinfer import services_cli
-from superinfer.daemon import CHANNEL_OPTIONS, SERVER_OPTIONS, PidFile
-from superinfer.shm import SharedTensor
 from superinfer.supervisor import ServiceFailed, ServiceSpec, Supervisor
 from tests.kvcheck import CheckingExecutor, KVStore, next_token
-from worker.kv_pool import DevicePool, decode_cuda_ipc, encode_cuda_ipc
+from worker.kv_pool import DevicePool
 
 T = TypeVar("T")
 SHAPE = (8, 2, 2, 4, 1, 8)  # [blocks, layers, K/V, block_size, kv_heads, head_dim]

@@ -20,6 +20,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from common.daemon import CHANNEL_OPTIONS, free_port
+from common.modelfile import resolve_model
+from common.tokenizer import Tokenizer
 from proto import (
     common_pb2,
     kvmem_pb2,
@@ -29,11 +32,8 @@ from proto import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from superinfer.daemon import CHANNEL_OPTIONS, free_port
-from superinfer.modelfile import resolve_model
 from superinfer.probes import grpc_probe
 from superinfer.supervisor import ServiceSpec, Supervisor
-from superinfer.tokenizer import Tokenizer
 from tests.prompts import PROMPTS
 
 START_TIMEOUT_S = 240.0
@@ -161,8 +161,8 @@ def assert_all_free(s: scheduler_pb2.StatsReply) -> None:
 
 # -- tests ---------------------------------------------------------------------------------------
 def test_greedy_tokens_match_in_process_engine(roomy: Stack, tokenizer: Tokenizer) -> None:
+    from common.config import EngineConfig
     from scheduler_svc.request import SamplingParams
-    from superinfer.config import EngineConfig
     from superinfer.engine import GenerationResult, LLMEngine
 
     prompts = [tokenizer.encode(p) for p in PROMPTS[:4]]

@@ -75,7 +75,7 @@ def test_one_request_follows_the_cost_model_exactly() -> None:
     sim, res = run("lvf", trace)
     (rec,) = res.records  # type: ignore[attr-defined]
     cost = ExecutionCostModel(GH200, LLAMA)
-    from scheduler_svc.interfaces import ScheduledChunk
+    from common.contracts import ScheduledChunk
 
     prefill = cost.iteration_s([ScheduledChunk("r", [0] * 100, 0, [], True)])
     assert rec.ttft_s == pytest.approx(prefill)  # arrives on an idle engine: served at once

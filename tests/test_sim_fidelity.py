@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from common.config import EngineConfig
 from superinfer.bench.serve import cli as bench_cli
-from superinfer.config import EngineConfig
 from superinfer.sim import fidelity
 from superinfer.sim.calibrate import _counts, fit_iterations
 from superinfer.sim.cli import main as sim_main
@@ -69,9 +69,9 @@ def test_trace_matches_the_benchs_per_request_record() -> None:
 
 
 def test_bench_prompt_text_is_exactly_the_trace_length_in_bundled_tokens() -> None:
+    from common.modelfile import resolve_model
+    from common.tokenizer import Tokenizer
     from superinfer.bench.serve.prompts import TextTokenizer, prompt_text
-    from superinfer.modelfile import resolve_model
-    from superinfer.tokenizer import Tokenizer
 
     tok = Tokenizer.from_source(resolve_model(None))
     text_tok = TextTokenizer(encode=lambda t: tok.encode(t, add_special_tokens=False),
@@ -160,8 +160,7 @@ def test_cpu_cost_terms() -> None:
     link = dataclasses.replace(hw.link, plan_overhead_s=0.004)
     cpu = dataclasses.replace(hw, link=link, attention_kv_Bps=1e9)
     gpu_like = dataclasses.replace(cpu, attention_kv_Bps=None)
-    from scheduler_svc.block_manager import TransferPlan
-    from scheduler_svc.interfaces import ScheduledChunk
+    from common.contracts import ScheduledChunk, TransferPlan
 
     def decode(ctx: int) -> list[ScheduledChunk]:
         return [ScheduledChunk(f"r{i}", [1], ctx, [], True) for i in range(4)]

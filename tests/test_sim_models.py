@@ -9,8 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scheduler_svc.block_manager import TransferPlan
-from scheduler_svc.interfaces import ScheduledChunk
+from common.contracts import ScheduledChunk, TransferPlan
 from superinfer.sim.cost import ExecutionCostModel, TransferCostModel, coalesced_runs
 from superinfer.sim.profile import (
     PROFILE_DIR,

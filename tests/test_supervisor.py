@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import structlog
 
-from superinfer.daemon import pid_alive
-from superinfer.shm import SegmentRecord
+from common.daemon import pid_alive
+from common.shm import SegmentRecord
 from superinfer.supervisor import RestartPolicy, ServiceSpec, Supervisor, exit_reason
 
 ALWAYS_READY = (lambda: True, lambda: None)
@@ -94,7 +94,7 @@ _MAKER = """
 import sys, time
 from multiprocessing import resource_tracker
 from pathlib import Path
-from superinfer.shm import SegmentRecord, SharedTensor
+from common.shm import SegmentRecord, SharedTensor
 import torch
 t = SharedTensor.create((4, 1024), torch.float32, prefix="si-kv-test")
 resource_tracker.unregister("/" + t.name, "shared_memory")
@@ -147,7 +147,7 @@ def _health_server(port: int, status: str, freeze_after_s: float | None = None) 
 
 
 def _grpc_service(name: str, code_for_port: Callable[[int], str], timeout_s: float = 0.3) -> ServiceSpec:
-    from superinfer.daemon import free_port
+    from common.daemon import free_port
     from superinfer.probes import grpc_alive, grpc_probe
 
     port = free_port()
@@ -231,7 +231,7 @@ def test_reaper_tells_a_restarted_service_from_the_one_with_its_pid(tmp_path: Pa
 @pytest.mark.parametrize(("status", "rc"), [("SERVING", 0), ("NOT_SERVING", 1)])
 def test_health_command_exit_status(status: str, rc: int) -> None:
     """`superinfer health` (the containers' health check) against a real health service."""
-    from superinfer.daemon import free_port
+    from common.daemon import free_port
     from superinfer.probes import grpc_alive
 
     port = free_port()

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from superinfer.errors import InvalidRequestError
-from superinfer.modelfile import resolve_model
-from superinfer.tokenizer import Tokenizer
+from common.errors import InvalidRequestError
+from common.modelfile import resolve_model
+from common.tokenizer import Tokenizer
 
 STRINGS = [
     "Hello world",
@@ -199,7 +199,7 @@ def test_chat_template_bad_messages_are_invalid_requests(ours: Tokenizer) -> Non
 
 
 def test_template_raise_exception_is_invalid_request() -> None:
-    from superinfer.chat_template import render_chat_template
+    from common.chat_template import render_chat_template
 
     source = "{% if messages|length == 0 %}{{ raise_exception('empty conversation') }}{% endif %}"
     with pytest.raises(InvalidRequestError, match="empty conversation"):
@@ -207,7 +207,7 @@ def test_template_raise_exception_is_invalid_request() -> None:
 
 
 def test_template_sandbox_blocks_attribute_escapes() -> None:
-    from superinfer.chat_template import render_chat_template
+    from common.chat_template import render_chat_template
 
     source = "{{ messages.__class__.__mro__ }}"
     with pytest.raises(InvalidRequestError):

@@ -8,17 +8,14 @@ each allocation (a restarted worker has a new pool, and stale orders are refused
 
 from __future__ import annotations
 
-import base64
-import json
 import uuid
 
 import torch
 
+from common.dtypes import DTYPE_NAMES
+from common.pool_handle import encode_cuda_ipc
+from common.shm import SharedTensor, tensor_nbytes
 from proto import worker_pb2
-from superinfer.engine import DTYPES
-from superinfer.shm import SharedTensor, tensor_nbytes
-
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 class DevicePool:
@@ -78,14 +75,3 @@ class DevicePool:
         if self._shm is not None:
             self._shm.close()
             self._shm = None
-
-
-def encode_cuda_ipc(fields: tuple[object, ...]) -> bytes:
-    """`_share_cuda_()`'s tuple as JSON (bytes as base64): no pickle on the wire."""
-    out = [{"b64": base64.b64encode(f).decode()} if isinstance(f, bytes) else f for f in fields]
-    return json.dumps(out).encode()
-
-
-def decode_cuda_ipc(blob: bytes) -> tuple[object, ...]:
-    items = json.loads(blob)
-    return tuple(base64.b64decode(i["b64"]) if isinstance(i, dict) else i for i in items)

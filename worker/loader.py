@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from superinfer.errors import ModelLoadError
+from common.errors import ModelLoadError
 
 __all__ = ["ModelConfig", "ModelLoadError", "load_weights", "SUPPORTED_ARCHITECTURES"]
 

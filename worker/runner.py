@@ -7,36 +7,18 @@ restarted worker can pick up any request the scheduler still knows (DESIGN §6).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
-from scheduler_svc.interfaces import ExecuteResult, ScheduledChunk
+from common.contracts import ExecuteResult, KVShape, ScheduledChunk
 from worker.loader import ModelConfig
 from worker.model import AttentionGroup, BatchMeta, LlamaModel
 from worker.sampler import sample_tokens
 
 
-@dataclass(slots=True, frozen=True)
-class KVShape:
-    num_blocks: int
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads,
-                self.head_dim)
-
-    def block_bytes(self, dtype: torch.dtype) -> int:
-        elem = torch.empty(0, dtype=dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
-
-
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return KVShape(1, cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim).block_bytes(dtype)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return KVShape(1, cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim).block_bytes(itemsize)
 
 
 class ModelRunner:

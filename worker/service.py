@@ -16,18 +16,18 @@ import grpc
 import structlog
 import torch
 
+from common.config import EngineConfig
+from common.contracts import KVShape, ScheduledChunk
+from common.daemon import Daemon, run_daemon
+from common.dtypes import DTYPES
+from common.modelfile import resolve_model
+from common.shm import SegmentRecord
+from common.wire import chunk_from_proto
 from proto import scheduler_pb2, worker_pb2, worker_pb2_grpc
-from scheduler_svc.interfaces import ScheduledChunk
-from scheduler_svc.wire import chunk_from_proto
-from superinfer.config import EngineConfig
-from superinfer.daemon import Daemon, run_daemon
-from superinfer.engine import DTYPES
-from superinfer.modelfile import resolve_model
-from superinfer.shm import SegmentRecord
 from worker.kv_pool import DevicePool
 from worker.loader import load_weights
 from worker.model import LlamaModel
-from worker.runner import KVShape, ModelRunner, kv_block_bytes
+from worker.runner import ModelRunner, kv_block_bytes
 
 log = structlog.get_logger()
 

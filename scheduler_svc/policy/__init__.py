@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from common.config import POLICY_NAMES
 from scheduler_svc.policy.base import Policy, RotationLimits
 from scheduler_svc.policy.baselines import FCFSPolicy, SwappedFirstPolicy, WaitingFirstPolicy
 from scheduler_svc.policy.lvf import LVFPolicy
 from scheduler_svc.policy.vlt import VLTParams, vlt
-
-POLICY_NAMES = ("lvf", "fcfs", "swapped-first", "waiting-first")
 
 
 def make_policy(

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from common.config import EngineConfig
 from scheduler_svc.request import SamplingParams
 from superinfer.bench.report import table, write_json
-from superinfer.config import EngineConfig
 from superinfer.engine import LLMEngine
 
 PROMPTS = [

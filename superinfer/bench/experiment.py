@@ -39,8 +39,8 @@ from typing import Any
 
 import httpx
 
+from common.daemon import free_port
 from superinfer.bench.report import table
-from superinfer.daemon import free_port
 
 POLICIES = "lvf,swapped-first,waiting-first,fcfs"
 
@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
           f"{args.device_blocks} blocks x 16 tokens, host pool {args.host_blocks} blocks.", "",
           "```", text, "```", "", f"Claim check: `{json.dumps(verdict)}`", ""]
     (out / "table.md").write_text("\n".join(md))
-    from superinfer.sim.cli import plot
+    from superinfer.sim.plots import rate_plot as plot
 
     plot(rows, str(out / "attainment.png"),
          f"real stack, bundled model, {args.device_blocks}-block device pool; SLOs "

@@ -17,7 +17,7 @@ import random
 import statistics
 import time
 
-from scheduler_svc.interfaces import ExecuteResult
+from common.contracts import ExecuteResult
 from scheduler_svc.policy import RotationLimits, VLTParams, make_policy
 from scheduler_svc.request import SLO, Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import httpx
 
+from common.daemon import free_port
 from superinfer.bench.engine import PROMPTS
 from superinfer.bench.report import table, write_json
-from superinfer.daemon import free_port
 from superinfer.probes import grpc_probe, http_probe
 from superinfer.supervisor import ServiceSpec, Supervisor
 
@@ -150,8 +150,8 @@ def _served(args: argparse.Namespace, prompts: list[str]) -> Measure:
 def _in_process(args: argparse.Namespace, prompts: list[str]) -> Measure:
     import torch
 
+    from common.config import EngineConfig
     from scheduler_svc.request import SamplingParams
-    from superinfer.config import EngineConfig
     from superinfer.engine import LLMEngine
 
     if args.threads is not None:

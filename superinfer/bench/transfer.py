@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
+from common.contracts import TransferPlan
 from kvmem_svc.duplex import DuplexEngine, Mode
 from kvmem_svc.hostmem import allocate_host_pool
 from kvmem_svc.tunables import NT_KEY, NT_THRESHOLD, nt_threshold_in_effect, with_nt_threshold
-from scheduler_svc.block_manager import TransferPlan
 from superinfer.bench.report import table, write_json
 
 MODES = [Mode.LAYER_FIRST, Mode.BLOCK_FIRST, Mode.DUPLEX]

@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from superinfer.daemon import free_port
+from common.daemon import free_port
 from superinfer.sim.engine import SimConfig, Simulator
 from superinfer.sim.profile import PROFILE_DIR, load_hardware, load_model
 
@@ -85,7 +85,7 @@ CASES: list[tuple[str, list[tuple[int, int]]]] = [  # (name, [(start_pos, tokens
 
 # -- iterations ---------------------------------------------------------------------------------
 def _chunks(spec: list[tuple[int, int]], block_size: int) -> list[Any]:
-    from scheduler_svc.interfaces import ScheduledChunk
+    from common.contracts import ScheduledChunk
 
     out, next_block = [], 0
     for i, (start, n) in enumerate(spec):
@@ -212,7 +212,7 @@ class _Fence:
 
 async def measure_duplex(kvmem: Any, pool_id: str, block_bytes: int, reps: int,
                          launch_s: float, fence: _Fence) -> dict[str, Any]:
-    from scheduler_svc.block_manager import TransferPlan
+    from common.contracts import TransferPlan
 
     async def fastest(swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> Any:
         best = None
@@ -251,7 +251,7 @@ async def measure_duplex(kvmem: Any, pool_id: str, block_bytes: int, reps: int,
 
 async def measure_half(kvmem: Any, pool_id: str, reps: int, fence: _Fence) -> dict[str, Any]:
     """block-first (one lane): the same two-way plan; the model says d2h + h2d."""
-    from scheduler_svc.block_manager import TransferPlan
+    from common.contracts import TransferPlan
 
     out_pairs, in_pairs = _runs(16, 128), _runs(16, 128, offset=256)
     replies = [await kvmem.transfer(TransferPlan(fence(), swap_out=out_pairs, swap_in=in_pairs),
@@ -264,7 +264,7 @@ async def measure_half(kvmem: Any, pool_id: str, reps: int, fence: _Fence) -> di
 async def measure_layer_first(kvmem: Any, pool_id: str, reps: int, layers: int,
                               block_bytes: int, launch_s: float, fence: _Fence) -> list[float]:
     """[segment bytes, bytes/s] of one layer's K or V of a block, copied one by one."""
-    from scheduler_svc.block_manager import TransferPlan
+    from common.contracts import TransferPlan
 
     pairs = _runs(1, 64)
     best = math.inf

@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 from superinfer.argtypes import rates
 from superinfer.sim import fidelity
@@ -34,7 +32,7 @@ from superinfer.sim.engine import (
     parse_budget,
     simulate,
 )
-from superinfer.sim.plots import attainment_figure
+from superinfer.sim.plots import rate_plot
 from superinfer.sim.profile import (
     HardwareProfile,
     ModelProfile,
@@ -43,15 +41,17 @@ from superinfer.sim.profile import (
     load_hardware,
     load_model,
 )
-from superinfer.workload import SYNTHETIC, WorkloadError, WorkloadSpec, build_trace, trace_stats
-
-_D = SimConfig()  # the defaults (the engine's scheduling defaults; superinfer/sim/engine.py)
-
-RESULT_KEYS = (
-    "ttft_attainment", "tbt_attainment", "p50_ttft_s", "p99_ttft_s", "p50_tbt_s", "p99_tbt_s",
-    "goodput_rps", "throughput_tok_s", "rotations",
+from superinfer.sim.report import format_table, result_row
+from superinfer.workload import (
+    SYNTHETIC,
+    WorkloadError,
+    WorkloadSpec,
+    build_trace,
+    length_counter,
+    trace_stats,
 )
 
+_D = SimConfig()  # the defaults (the engine's scheduling defaults; superinfer/sim/engine.py)
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -195,81 +195,16 @@ def workload_spec(args: argparse.Namespace, rps: float) -> WorkloadSpec:
     )
 
 
-def _tokenizer(name: str | None) -> Any:
-    if name is None:
-        return None
-    from superinfer.modelfile import resolve_model
-    from superinfer.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_source(resolve_model(None if name == "bundled" else name))
-    return lambda text: tok.encode(text, add_special_tokens=False)
-
-
 # A task runs in a worker process: everything it needs is picklable.
 _Task = tuple[HardwareProfile, ModelProfile, PolicyVariant, SimConfig, WorkloadSpec, str | None]
 
 
 def _run_task(task: _Task) -> tuple[float, SimResult]:
     hw, model, variant, cfg, spec, tokenizer = task
-    trace = build_trace(spec, _tokenizer(tokenizer))
+    trace = build_trace(spec, length_counter(tokenizer))
     result = simulate(hw, model, variant, cfg, trace, spec.trace_duration_s)
     result.records = []  # not needed by the caller; keeps the pipe small
     return spec.rps, result
-
-
-def result_row(rps: float, r: SimResult) -> dict[str, Any]:
-    m = r.metrics.as_dict()
-    row: dict[str, Any] = {"policy": r.label, "base_policy": r.policy, "rps": rps}
-    row.update({k: m[k] for k in RESULT_KEYS})
-    for k in ("tbt_attainment_rotated", "tpot_attainment", "p99_tpot_s", "mean_ttft_s",
-              "max_gap_s", "stall_s"):
-        row[k] = m[k]
-    row["requests"] = m["requests"]
-    row["completed"] = m["completed"]
-    row["stats"] = r.stats
-    return row
-
-
-def _fmt(v: Any, spec: str) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    return format(v, spec)
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    width = max([len(r["policy"]) for r in rows] + [6])
-    head = (f"{'policy':<{width}}  {'TTFT%':>6} {'TBT%':>6} {'p50TTFT':>8} {'p99TTFT':>8} "
-            f"{'p50TBT':>7} {'p99TBT':>7} {'goodput':>7} {'tok/s':>7} {'rotations':>9} "
-            f"{'TPOT%':>6} {'maxgap':>7}")
-    lines = [head]
-    for r in rows:
-        pct = lambda v: _fmt(None if v is None else 100 * v, ".1f")  # noqa: E731
-        lines.append(
-            f"{r['policy']:<{width}}  {pct(r['ttft_attainment']):>6} {pct(r['tbt_attainment']):>6} "
-            f"{_fmt(r['p50_ttft_s'], '.2f'):>8} {_fmt(r['p99_ttft_s'], '.2f'):>8} "
-            f"{_fmt(r['p50_tbt_s'], '.3f'):>7} {_fmt(r['p99_tbt_s'], '.3f'):>7} "
-            f"{_fmt(r['goodput_rps'], '.2f'):>7} {_fmt(r['throughput_tok_s'], '.0f'):>7} "
-            f"{r['rotations']:>9} {pct(r.get('tpot_attainment')):>6} "
-            f"{_fmt(r.get('max_gap_s'), '.1f'):>7}"
-        )
-    return "\n".join(lines)
-
-
-def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
-    labels = list(dict.fromkeys(r["policy"] for r in rows))
-    # Policies often coincide (no memory pressure: no rotation): vary the line style and
-    # marker size so that overlapping curves stay visible.
-    styles = ["-", "--", "-.", ":"]
-
-    def draw(ax: Any, key: str) -> None:
-        for j, label in enumerate(labels):
-            pts = sorted((r["rps"], r[key]) for r in rows if r["policy"] == label)
-            xs = [x for x, y in pts if y is not None]
-            ys = [100 * y for x, y in pts if y is not None]
-            ax.plot(xs, ys, marker="os^Dv<>p"[j % 8], markersize=max(3, 8 - j),
-                    linestyle=styles[j % len(styles)], label=label)
-
-    attainment_figure(path, title, draw)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -286,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         for v in variants:
             v.apply(cfg)  # validates overrides early
         specs = [workload_spec(args, rps) for rps in args.rps]
-        traces = {spec.rps: build_trace(spec, _tokenizer(args.tokenizer)) for spec in specs}
+        traces = {spec.rps: build_trace(spec, length_counter(args.tokenizer)) for spec in specs}
     except (ProfileError, WorkloadError, SimulationError) as e:
         return _die(str(e))
     if args.jobs < 1:
@@ -341,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"config": config, "results": rows}, indent=1))
     if args.plot:
-        plot(rows, args.plot, f"{hw.name} + {model.name}, {args.dataset}, "
+        rate_plot(rows, args.plot, f"{hw.name} + {model.name}, {args.dataset}, "
              f"SLO TTFT {cfg.ttft_slo:g} s / TBT {cfg.tbt_slo * 1000:g} ms")
     return 0
 

@@ -30,8 +30,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from scheduler_svc.block_manager import TransferPlan
-from scheduler_svc.interfaces import ScheduledChunk
+from common.contracts import ScheduledChunk, TransferPlan
 from superinfer.sim.profile import BandwidthCurve, HardwareProfile, ModelProfile
 
 LAYOUTS = ("block-first", "layer-first")

@@ -25,12 +25,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler_svc.interfaces import ExecuteResult, SchedulerOutput
+from common.config import EngineConfig
+from common.contracts import ExecuteResult
+from common.errors import SuperInferError
+from scheduler_svc.interfaces import SchedulerOutput
 from scheduler_svc.policy import POLICY_NAMES, RotationLimits, VLTParams, make_policy
 from scheduler_svc.request import SLO, Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from superinfer.config import EngineConfig
-from superinfer.errors import SuperInferError
 from superinfer.sim.cost import LAYOUTS, ExecutionCostModel, TransferCostModel
 from superinfer.sim.profile import HardwareProfile, ModelProfile
 from superinfer.slo_metrics import RequestRecord, SLOMetrics, compute_metrics
@@ -40,7 +41,7 @@ AUTO = -1  # xfer/eager budgets: size to the link (see Simulator)
 # B_xfer "auto": blocks one direction of the link moves in this time. With GH200 and
 # Qwen2.5-32B (4 MiB blocks at 175 GB/s) it gives ~2090, near the paper's default of 2400.
 XFER_REFERENCE_S = 0.05
-# The scheduling defaults are the engine's (superinfer.config.EngineConfig), so `sim` and
+# The scheduling defaults are the engine's (common.config.EngineConfig), so `sim` and
 # `serve` mean the same thing by "the defaults"; min residency 32 was chosen in the sim.
 _ENGINE = EngineConfig()
 DEFAULT_MIN_RESIDENCY = _ENGINE.min_residency

@@ -35,8 +35,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from superinfer.config import EngineConfig
-from superinfer.errors import SuperInferError
+from common.config import EngineConfig
+from common.errors import SuperInferError
 from superinfer.sim.engine import SimConfig, SimResult, SimulationError, Simulator
 from superinfer.sim.plots import attainment_figure
 from superinfer.sim.profile import HardwareProfile, ModelProfile, load_hardware, load_model
@@ -122,9 +122,9 @@ def trace_for(config: dict[str, Any], rps: float) -> tuple[WorkloadSpec, list[Tr
     tokenizer = None
     if spec.dataset not in SYNTHETIC:
         # bench serve counts a dataset file's lengths with the bundled tokenizer ('auto').
-        from superinfer.sim.cli import _tokenizer
+        from superinfer.workload import length_counter
 
-        tokenizer = _tokenizer("bundled")
+        tokenizer = length_counter("bundled")
     return spec, build_trace(spec, tokenizer)
 
 
@@ -227,7 +227,7 @@ def _timing_matched(hw: HardwareProfile, model: ModelProfile, policy: str, cfg: 
     """Re-simulate with the execution cost scaled to the real run's mean execute time."""
     if not real_execute_s:
         return {"scale": None}
-    from superinfer.sim.cli import result_row
+    from superinfer.sim.report import result_row
 
     k, res = match_execute(hw, model, policy, cfg, trace, spec.trace_duration_s,
                            real_execute_s, label)
@@ -242,7 +242,7 @@ def compare(
     threshold: float = THRESHOLD_POINTS,
 ) -> dict[str, Any]:
     """Simulate every (policy, rate) of the experiment; the side-by-side rows and checks."""
-    from superinfer.sim.cli import result_row
+    from superinfer.sim.report import result_row
 
     config = data["config"]
     rows, configs = [], {}

@@ -32,3 +32,20 @@ def attainment_figure(path: str, title: str, draw: Callable[[Any, str], None],
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def rate_plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    labels = list(dict.fromkeys(r["policy"] for r in rows))
+    # Policies often coincide (no memory pressure: no rotation): vary the line style and
+    # marker size so that overlapping curves stay visible.
+    styles = ["-", "--", "-.", ":"]
+
+    def draw(ax: Any, key: str) -> None:
+        for j, label in enumerate(labels):
+            pts = sorted((r["rps"], r[key]) for r in rows if r["policy"] == label)
+            xs = [x for x, y in pts if y is not None]
+            ys = [100 * y for x, y in pts if y is not None]
+            ax.plot(xs, ys, marker="os^Dv<>p"[j % 8], markersize=max(3, 8 - j),
+                    linestyle=styles[j % len(styles)], label=label)
+
+    attainment_figure(path, title, draw)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from superinfer.errors import SuperInferError
+from common.errors import SuperInferError
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from common.errors import SuperInferError
 from superinfer.argtypes import positive, rate, rates
 from superinfer.bench.serve.prompts import BodyOptions, TextTokenizer, prompt_text, request_body
 from superinfer.bench.serve.runner import (
@@ -26,7 +27,6 @@ from superinfer.bench.serve.runner import (
 )
 from superinfer.bench.serve.stream import StreamOutcome
 from superinfer.bench.serve.summary import format_pass, format_sweep, result_row
-from superinfer.errors import SuperInferError
 from superinfer.workload import SYNTHETIC, WorkloadSpec, build_trace, trace_stats
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"  # `superinfer serve`'s gateway
@@ -97,8 +97,8 @@ def _die(msg: str) -> int:
 
 def _tokenizer(choice: str, model: str) -> tuple[TextTokenizer | None, str]:
     """The tokenizer that sizes prompts, and what to call it in the results."""
-    from superinfer.modelfile import resolve_model
-    from superinfer.tokenizer import Tokenizer
+    from common.modelfile import resolve_model
+    from common.tokenizer import Tokenizer
 
     if choice == "none":
         return None, "none"
@@ -226,7 +226,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.plot and not finite:
         print("no plot: an infinite rate has no place on an RPS axis", file=sys.stderr)
     elif args.plot:
-        from superinfer.sim.cli import plot
+        from superinfer.sim.plots import rate_plot as plot
 
         plot(finite, args.plot, f"{label} at {args.base_url}, {args.dataset}, "
              f"SLO TTFT {args.ttft_slo:g} s / TBT {args.tbt_slo * 1000:g} ms")

@@ -22,8 +22,8 @@ from typing import Any
 
 import httpx
 
+from common.errors import SuperInferError
 from superinfer.bench.serve.stream import StreamOutcome, error_body_message, send
-from superinfer.errors import SuperInferError
 from superinfer.workload import TraceRequest
 
 PROBE_TIMEOUT_S = 10.0

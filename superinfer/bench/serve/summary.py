@@ -22,7 +22,7 @@ from superinfer.bench.serve.stream import StreamOutcome
 from superinfer.slo_metrics import RequestRecord, compute_metrics
 from superinfer.workload import TraceRequest
 
-# The simulator's per-result keys (superinfer/sim/cli.py RESULT_KEYS), then its extras.
+# The simulator's per-result keys (superinfer/sim/report.py RESULT_KEYS), then its extras.
 SIM_KEYS = (
     "ttft_attainment", "tbt_attainment", "p50_ttft_s", "p99_ttft_s", "p50_tbt_s", "p99_tbt_s",
     "goodput_rps", "throughput_tok_s", "tbt_attainment_rotated", "tpot_attainment",

@@ -7,7 +7,7 @@ string is held back, so a client never sees part of a stop string.
 
 from __future__ import annotations
 
-from superinfer.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 
 
 class OutputTracker:

@@ -16,9 +16,9 @@ from typing import Any
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from superinfer.chat_template import render_chat_template
-from superinfer.errors import InvalidRequestError, ModelLoadError
-from superinfer.modelfile import ModelSource, read_gguf_metadata
+from common.chat_template import render_chat_template
+from common.errors import InvalidRequestError, ModelLoadError
+from common.modelfile import ModelSource, read_gguf_metadata
 
 # llama.cpp token types (gguf TokenType): only these two change tokenization.
 _TOKEN_TYPE_CONTROL = 3

@@ -18,7 +18,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from superinfer.errors import InvalidRequestError
+from common.errors import InvalidRequestError
 
 
 def _raise_exception(message: str) -> None:

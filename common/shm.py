@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from superinfer.daemon import pid_alive, process_start
+from common.daemon import pid_alive, process_start
 
 SHM_DIR = "/dev/shm"
 PAGE = mmap.PAGESIZE

@@ -1,15 +1,19 @@
-"""Engine configuration shared by `superinfer generate`, the services and the benchmarks."""
+"""Engine configuration shared by `superinfer generate`, the services and the benchmarks.
+
+Plain data and the command-line flags that fill it. The scheduler core turns its part into
+its own objects (`scheduler_svc/setup.py`); nothing here knows a policy's internals, only
+the names `--policy` accepts.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, fields
 
-from scheduler_svc.policy import POLICY_NAMES, RotationLimits, VLTParams
-from scheduler_svc.request import SLO
-from scheduler_svc.scheduler import SchedulerConfig
-
 GIB = 1 << 30
+# The values of --policy (scheduler_svc/policy/__init__.py builds one policy per name).
+POLICY_NAMES = ("lvf", "fcfs", "swapped-first", "waiting-first")
 
 
 def _optional_float(text: str) -> float | None:
@@ -58,35 +62,14 @@ class EngineConfig:
                 f"--max-queued-requests must be >= 0 (0: no limit), got {self.max_queued_requests}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype}")
-        VLTParams(self.alpha, self.beta_b, self.beta_f)  # validates
-        SLO(self.ttft_slo, self.tbt_slo)
-
-    @property
-    def vlt_params(self) -> VLTParams:
-        return VLTParams(self.alpha, self.beta_b, self.beta_f)
-
-    @property
-    def rotation_limits(self) -> RotationLimits:
-        return RotationLimits(self.xfer_budget_blocks, self.min_residency, self.vlt_margin,
-                              self.hold_vlt)
-
-    @property
-    def default_slo(self) -> SLO:
-        return SLO(self.ttft_slo, self.tbt_slo)
-
-    def scheduler_config(
-        self, num_device_blocks: int, num_host_blocks: int, model_max_len: int
-    ) -> SchedulerConfig:
-        """The scheduler core's settings once the pools and the model's context are known."""
-        return SchedulerConfig(
-            num_device_blocks=num_device_blocks,
-            num_host_blocks=num_host_blocks,
-            block_size=self.block_size,
-            max_batched_tokens=self.max_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
-            max_model_len=min(self.max_model_len or model_max_len, model_max_len),
-            eager_budget_blocks=self.eager_budget_blocks,
-        )
+        if not self.alpha > 0:
+            raise ValueError(f"--alpha must be positive, got {self.alpha}")
+        for flag, v in (("--beta-b", self.beta_b), ("--beta-f", self.beta_f)):
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"{flag} must be in [0, 1], got {v}")
+        for flag, v in (("--ttft-slo", self.ttft_slo), ("--tbt-slo", self.tbt_slo)):
+            if not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"{flag} must be a positive number of seconds, got {v}")
 
     def blocks_for(self, block_bytes: int) -> tuple[int, int]:
         """(device blocks, host blocks) from explicit counts or memory budgets."""

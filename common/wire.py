@@ -6,9 +6,8 @@ a gRPC round trip costs ~0.5 ms here (DESIGN §5), so the message count is what 
 
 from __future__ import annotations
 
+from common.contracts import ExecuteResult, ScheduledChunk, TransferPlan
 from proto import kvmem_pb2, worker_pb2
-from scheduler_svc.block_manager import TransferPlan
-from scheduler_svc.interfaces import ExecuteResult, ScheduledChunk
 
 
 def chunk_to_proto(c: ScheduledChunk) -> worker_pb2.Chunk:

