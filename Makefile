@@ -41,9 +41,12 @@ test-all: venv
 experiment: venv
 	$(BIN)/superinfer bench experiment --trace
 
+# Layer contracts (pyproject [tool.importlinter]) and no import cycles: docs/ARCHITECTURE.md.
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/python scripts/import_cycles.py
 
 # Regenerate the checked-in gRPC stubs after editing proto/*.proto
 # (tests/test_proto_stubs.py fails while they are stale).
