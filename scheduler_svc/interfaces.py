@@ -1,13 +1,21 @@
 """The scheduler core's two boundaries: an executor (runs a batch) and a transfer engine
-(moves KV blocks between tiers). Services implement them over gRPC, `superinfer generate`
-with local objects, the simulator with cost models (DESIGN §1)."""
+(moves KV blocks between tiers), and what one `schedule()` hands them.
+
+Three implementations of each (DESIGN §1): gRPC clients in the scheduler service
+(`scheduler_svc/loop.py`), local objects in `superinfer generate` (`superinfer/engine.py`),
+cost models on a simulated clock in the simulator (`superinfer/sim/engine.py`). All three
+are driven by the one engine step, `scheduler_svc/engine_core.py`.
+
+Both are async: the service's calls are RPCs, and the step's shape must not change when a
+call does wait (the pipelined step overlaps them).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from common.contracts import ExecuteResult, ScheduledChunk, TransferPlan
+from common.contracts import ExecuteResult, ScheduledChunk, TransferPlan, TransferResult
 
 
 @dataclass(slots=True)
@@ -18,6 +26,7 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     decision_s: float = 0.0
+    num_running: int = 0  # running requests once planned (some may get no tokens)
     rotated_out: list[str] = field(default_factory=list)
     rotated_in: list[str] = field(default_factory=list)
     recomputed: list[str] = field(default_factory=list)
@@ -28,10 +37,12 @@ class SchedulerOutput:
 
 
 class Executor(Protocol):
-    def execute(self, chunks: list[ScheduledChunk]) -> ExecuteResult: ...
+    async def execute(self, iteration: int, chunks: list[ScheduledChunk]) -> ExecuteResult:
+        """Run the batch (writes its KV into the device pool); return the sampled tokens."""
+        ...
 
 
 class TransferEngine(Protocol):
-    def transfer(self, plan: TransferPlan) -> None:
+    async def transfer(self, plan: TransferPlan) -> TransferResult:
         """Carry out every copy in `plan`; return when all are complete."""
         ...

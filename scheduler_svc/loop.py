@@ -24,11 +24,12 @@ from dataclasses import dataclass, field, fields
 import grpc
 import structlog
 
-from common.contracts import ExecuteResult, TransferPlan
+from common.contracts import ExecuteResult, ScheduledChunk, TransferPlan, TransferResult
+from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.remote import RemoteKVMem, RemoteWorker
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import RequestEvent, Scheduler
-from scheduler_svc.trace import Trace, scheduler_load
+from scheduler_svc.trace import Trace
 
 log = structlog.get_logger()
 
@@ -54,16 +55,8 @@ class StreamEvent:
 
 @dataclass(slots=True)
 class LoopStats:
-    transfers: int = 0
-    transfer_s: float = 0.0  # wall time of Transfer calls, RPC included
-    transfer_wait_max_s: float = 0.0  # the longest one iteration waited on its transfers
-    kvmem_d2h_s: float = 0.0
-    kvmem_h2d_s: float = 0.0
-    bytes_d2h: int = 0
-    bytes_h2d: int = 0
-    executes: int = 0
-    execute_s: float = 0.0  # worker-side compute time
-    execute_rpc_s: float = 0.0  # wall time of Execute calls, RPC included
+    """Outages and recoveries; what the steps cost is the core's (EngineStats)."""
+
     backend_errors: int = 0  # failed iterations
     recoveries: int = 0  # outages recovered from without failing a request
     device_losses: int = 0  # the worker came back with a new device pool
@@ -107,7 +100,8 @@ class ServingLoop:
         self.host_pool_id = host_pool_id
         self.peer_timeout_s = peer_timeout_s  # how long a peer may take to come back
         self.stats = LoopStats()
-        self.trace = trace  # --trace: the iteration timeline (superinfer/trace.py)
+        self.trace = trace  # --trace: the iteration timeline (scheduler_svc/trace.py)
+        self.core = EngineCore(scheduler, _WorkerLane(self), _KVMemLane(self), trace)
         self.streams: dict[str, asyncio.Queue[StreamEvent]] = {}
         self.draining = False  # shutting down: no new requests
         self._work = asyncio.Event()
@@ -186,66 +180,24 @@ class ServingLoop:
     async def step(self) -> bool:
         """One iteration; False when it had nothing to do (every request blocked)."""
         sched = self.scheduler
-        start = sched.clock()
-        out = sched.schedule()
-        plan = out.transfers
-        t_xfer = 0.0
-        reply = None
-        if plan is not None:
-            t_xfer_start = sched.clock()
-            t0 = time.perf_counter()
-            self._in_flight = plan
-            try:
-                reply = await self.kvmem.transfer(plan, self.pool_id)
-            finally:
-                # Released even on failure: nothing copies any more (a peer is gone, or
-                # refused the batch), and recovery treats the batch's writes as lost.
-                sched.complete_transfer(plan.fence)
-            self._in_flight = None
-            if plan.swap_out or plan.eager:
-                self._unconfirmed.append(plan)
-            t_xfer = time.perf_counter() - t0
-            st = self.stats
-            st.transfers += 1
-            st.transfer_s += t_xfer
-            st.transfer_wait_max_s = max(st.transfer_wait_max_s, t_xfer)
-            st.kvmem_d2h_s += reply.d2h_s
-            st.kvmem_h2d_s += reply.h2d_s
-            st.bytes_d2h += reply.bytes_d2h
-            st.bytes_h2d += reply.bytes_h2d
-        result = ExecuteResult(sampled={})
-        t_exec = 0.0
-        t_exec_start = sched.clock()
-        if out.chunks:
-            t0 = time.perf_counter()
-            result = await self.worker.execute(out.iteration, out.chunks, self.pool_id)
-            # The pool (this pool id: this worker process) lived through those copies.
-            self._unconfirmed.clear()
-            t_exec = time.perf_counter() - t0
-            self.stats.executes += 1
-            self.stats.execute_s += result.execute_s
-            self.stats.execute_rpc_s += t_exec
-        events = sched.update_from_output(out, result)
-        if self.trace is not None:
-            self.trace.iteration(
-                out, start, transfer=(t_xfer_start, t_xfer) if reply is not None else None,
-                d2h_s=reply.d2h_s if reply is not None else 0.0,
-                h2d_s=reply.h2d_s if reply is not None else 0.0,
-                execute=(t_exec_start, t_exec) if out.chunks else None,
-                execute_s=result.execute_s if out.chunks else None,
-                load=scheduler_load(sched),
-            )
-        self._publish(events)
+        res = await self.core.step()
+        out, plan = res.out, res.out.transfers
+        self._publish(res.events)
         log.debug(
             "iteration", iteration=out.iteration, chunks=len(out.chunks),
             prefill_tokens=out.num_prefill_tokens, decode_tokens=out.num_decode_tokens,
             swap_out=len(plan.swap_out) if plan else 0, swap_in=len(plan.swap_in) if plan else 0,
             eager=len(plan.eager) if plan else 0, rotated_out=out.rotated_out,
             rotated_in=out.rotated_in, recomputed=out.recomputed, decision_s=out.decision_s,
-            transfer_s=t_xfer, execute_s=result.execute_s, execute_rpc_s=t_exec,
+            transfer_s=res.transfer.total_s if res.transfer else 0.0,
+            execute_s=res.execute.execute_s if res.execute else 0.0,
             running=len(sched.running), waiting=len(sched.waiting), rotary=len(sched.rotary),
         )
-        return bool(out.chunks or plan)
+        return res.busy
+
+    def stats_dict(self) -> dict[str, float]:
+        """The step's costs and the loop's outages, as GetStats reports them."""
+        return {**self.core.stats.as_dict(), **self.stats.as_dict()}
 
     # -- results to streams -------------------------------------------------------------------
     def _publish(
@@ -390,3 +342,35 @@ def _merged(plans: list[TransferPlan]) -> TransferPlan | None:
         swap_in=[pair for p in plans for pair in p.swap_in],
         eager=[pair for p in plans for pair in p.eager],
     )
+
+
+class _WorkerLane:
+    """The worker as the core's Executor: the loop's current pool id on every batch."""
+
+    def __init__(self, loop: ServingLoop) -> None:
+        self.loop = loop
+
+    async def execute(self, iteration: int, chunks: list[ScheduledChunk]) -> ExecuteResult:
+        loop = self.loop
+        result = await loop.worker.execute(iteration, chunks, loop.pool_id)
+        # The pool (this pool id: this worker process) lived through those copies.
+        loop._unconfirmed.clear()
+        return result
+
+
+class _KVMemLane:
+    """kvmem as the core's TransferEngine, remembering what recovery must know: the batch
+    in flight, and the batches that read the device pool since the worker last computed."""
+
+    def __init__(self, loop: ServingLoop) -> None:
+        self.loop = loop
+
+    async def transfer(self, plan: TransferPlan) -> TransferResult:
+        loop = self.loop
+        loop._in_flight = plan
+        reply = await loop.kvmem.transfer(plan, loop.pool_id)
+        loop._in_flight = None
+        if plan.swap_out or plan.eager:
+            loop._unconfirmed.append(plan)
+        return TransferResult(reply.d2h_s, reply.h2d_s, reply.total_s, reply.bytes_d2h,
+                              reply.bytes_h2d)

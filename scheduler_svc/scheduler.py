@@ -219,6 +219,7 @@ class Scheduler:
             num_prefill_tokens=total - decode,
             num_decode_tokens=decode,
             decision_s=decision,
+            num_running=len(self.running),
             rotated_out=plan.out,
             rotated_in=plan.into,
             recomputed=plan.recomputed,

@@ -207,7 +207,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         s = loop.scheduler
         counters = {k: float(v) for k, v in s.stats.as_dict().items()
                     if isinstance(v, int | float)}
-        counters.update(loop.stats.as_dict())
+        counters.update(loop.stats_dict())
         return scheduler_pb2.StatsReply(
             waiting=len(s.waiting),
             running=len(s.running),

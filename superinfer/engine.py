@@ -1,11 +1,13 @@
 """In-process engine: scheduler + model runner + local copy engine in one process.
 
 This is the composition `superinfer generate` and the benchmarks use; the services wire
-the same scheduler to the worker and kvmem over gRPC instead.
+the same scheduler to the worker and kvmem over gRPC instead. Both run the one engine
+step (`scheduler_svc/engine_core.py`), here with local objects behind its interfaces.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -13,17 +15,18 @@ from dataclasses import dataclass, field
 import torch
 
 from common.config import EngineConfig
-from common.contracts import KVShape
+from common.contracts import ExecuteResult, KVShape, ScheduledChunk, TransferPlan, TransferResult
 from common.dtypes import DTYPES
 from common.errors import ContextLengthError, InvalidRequestError
 from common.modelfile import ModelSource, resolve_model
 from common.output import OutputTracker
 from common.tokenizer import Tokenizer
 from kvmem_svc.copy import LocalCopyEngine
+from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.request import SLO, FinishReason, Request, SamplingParams
 from scheduler_svc.scheduler import RequestEvent
 from scheduler_svc.setup import build_scheduler, default_slo
-from scheduler_svc.trace import Trace, scheduler_load
+from scheduler_svc.trace import Trace
 from worker.loader import load_weights
 from worker.model import LlamaModel
 from worker.runner import ModelRunner, kv_block_bytes
@@ -68,10 +71,11 @@ class LLMEngine:
         self.scheduler = build_scheduler(config, dev, host, mcfg.max_position)
         self.trackers: dict[str, OutputTracker] = {}
         self._ids = itertools.count()
-        self.transfer_s = 0.0
-        self.execute_s = 0.0
         self.trace = Trace(config.trace, "superinfer generate") if config.trace else None
         self._traced_finished = 0  # finished_log entries already in the trace
+        self.core = EngineCore(self.scheduler, _LocalExecutor(self.runner),
+                               _LocalTransfers(self.copier), self.trace)
+        self._loop = asyncio.new_event_loop()
 
     @property
     def model_name(self) -> str:
@@ -124,28 +128,8 @@ class LLMEngine:
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestEvent]:
         sched, trace = self.scheduler, self.trace
-        start = sched.clock()
-        out = sched.schedule()
-        xfer, timing = None, None
-        if out.transfers is not None:
-            t0 = time.perf_counter()
-            t_start = sched.clock()
-            timing = self.copier.transfer(out.transfers)
-            sched.complete_transfer(out.transfers.fence)
-            dt = time.perf_counter() - t0
-            self.transfer_s += dt
-            xfer = (t_start, dt)
-        t_exec = sched.clock()
-        result = self.runner.execute(out.chunks)
-        self.execute_s += result.execute_s
-        events = sched.update_from_output(out, result)
+        events = self._loop.run_until_complete(self.core.step()).events
         if trace is not None:
-            trace.iteration(
-                out, start, transfer=xfer, d2h_s=timing.d2h_s if timing else 0.0,
-                h2d_s=timing.h2d_s if timing else 0.0,
-                execute=(t_exec, result.execute_s) if out.chunks else None,
-                load=scheduler_load(sched),
-            )
             now = sched.clock()
             for req in sched.finished_log[self._traced_finished:]:
                 trace.request_done(req, now)
@@ -196,13 +180,36 @@ class LLMEngine:
         if self.trace is not None:
             self.trace.close()
         self.copier.close()
+        self._loop.close()
 
     def stats(self) -> dict[str, object]:
         s: dict[str, object] = dict(self.scheduler.stats.as_dict())
-        s["transfer_s"] = self.transfer_s
-        s["execute_s"] = self.execute_s
+        core = self.core.stats
+        s["transfer_s"] = core.transfer_s
+        s["execute_s"] = core.execute_s
         s["device_blocks"] = self.scheduler.config.num_device_blocks
         s["host_blocks"] = self.scheduler.config.num_host_blocks
         s["device_blocks_free"] = self.scheduler.bm.num_free_device
         s["host_blocks_free"] = self.scheduler.bm.num_free_host
         return s
+
+
+class _LocalExecutor:
+    """The model runner in this process as the core's Executor."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    async def execute(self, iteration: int, chunks: list[ScheduledChunk]) -> ExecuteResult:
+        return self.runner.execute(chunks)
+
+
+class _LocalTransfers:
+    """DuplexKV between this process's two pools as the core's TransferEngine."""
+
+    def __init__(self, copier: LocalCopyEngine) -> None:
+        self.copier = copier
+
+    async def transfer(self, plan: TransferPlan) -> TransferResult:
+        t = self.copier.transfer(plan)
+        return TransferResult(t.d2h_s, t.h2d_s, t.total_s, t.bytes_d2h, t.bytes_h2d)

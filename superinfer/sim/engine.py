@@ -10,6 +10,9 @@ Each iteration is the service's loop with cost models in place of the worker and
     clock += overhead + transfer + execute (+ eager overrun);  complete_transfer(fence)
     update_from_output()              one synthetic token per sampled chunk
 
+The iteration itself is the engine's one step (`scheduler_svc/engine_core.py`), with the
+cost models below as its executor and transfer engine; they advance the clock.
+
 With `pipeline=True` the transfer hides behind execution (DESIGN 5's cross-iteration
 pipeline): the iteration takes max(transfer, execute) instead of their sum.
 
@@ -19,16 +22,16 @@ arrival. Requests run with ignore_eos and max_tokens = the trace's output length
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from common.config import EngineConfig
-from common.contracts import ExecuteResult
+from common.contracts import ExecuteResult, ScheduledChunk, TransferPlan, TransferResult
 from common.errors import SuperInferError
-from scheduler_svc.interfaces import SchedulerOutput
+from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.policy import POLICY_NAMES, RotationLimits, VLTParams, make_policy
 from scheduler_svc.request import SLO, Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
@@ -288,19 +291,19 @@ class Simulator:
         )
         return Scheduler(self.scheduler_config(), policy, clock=clock)
 
-    def run(
-        self,
-        trace: list[TraceRequest],
-        duration_s: float | None = None,
-        observer: Callable[[Scheduler, SchedulerOutput, float], None] | None = None,
-    ) -> SimResult:
-        """Serve `trace`; `observer(scheduler, output, iteration_s)` sees every iteration."""
+    def run(self, trace: list[TraceRequest], duration_s: float | None = None) -> SimResult:
+        """Serve `trace` on the simulated clock."""
+        with asyncio.Runner() as runner:
+            return runner.run(self._run(trace, duration_s))
+
+    async def _run(self, trace: list[TraceRequest], duration_s: float | None) -> SimResult:
         wall0 = time.perf_counter()
         cfg = self.cfg
         clock = _Clock()
         sched = self.scheduler = self.make_scheduler(clock)
         slo = SLO(cfg.ttft_slo, cfg.tbt_slo)
-        exec_model, xfer_model = self.exec_model, self.xfer_model
+        link = _SimTransfers(self.xfer_model, clock, cfg.pipeline)
+        core = EngineCore(sched, _SimExecutor(self.exec_model, clock, link), link, timer=clock)
         # Clip to the model's context only: a prompt larger than the device pool (the
         # scheduler's own cap) is refused by add_request and counted as a miss below.
         max_len = min(cfg.max_model_len or self.model.max_model_len, self.model.max_model_len)
@@ -310,10 +313,9 @@ class Simulator:
 
         records: list[RequestRecord] = []
         clipped = rejected = 0
-        exec_total = xfer_total = eager_over = 0.0
         max_running = 0
         batch_tokens = 0
-        idle_iterations = executes = 0
+        idle_iterations = 0
         i = 0
         while True:
             while i < len(pending) and pending[i].arrival_s <= clock.t:
@@ -340,10 +342,9 @@ class Simulator:
             if clock.t > max_sim_s:
                 break
 
-            out = sched.schedule()
-            ex = exec_model.iteration_s(out.chunks)
-            xt = xfer_model.plan_time(out.transfers)
-            if not out.chunks and out.transfers is None:
+            step = await core.step()
+            link.settle()  # background copies that outlasted the iteration's execution
+            if not step.busy:
                 # Nothing runnable and nothing moving: only an arrival can change that.
                 idle_iterations += 1
                 if i < len(pending):
@@ -354,21 +355,8 @@ class Simulator:
                     f"{len(sched.waiting)} waiting, {len(sched.running)} running, "
                     f"{len(sched.rotary)} rotary requests and no arrival left"
                 )
-            step = max(ex, xt.critical_s) if cfg.pipeline else ex + xt.critical_s
-            over = max(0.0, xt.eager_s - ex)
-            if observer is not None:
-                observer(sched, out, step + over)
-            clock.t += step + over
-            exec_total += ex
-            executes += bool(out.chunks)
-            xfer_total += xt.critical_s
-            eager_over += over
-            batch_tokens += out.num_tokens
-            max_running = max(max_running, len(sched.running))
-            if out.transfers is not None:
-                sched.complete_transfer(out.transfers.fence)
-            sampled = {c.request_id: 0 for c in out.chunks if c.sample}
-            sched.update_from_output(out, ExecuteResult(sampled=sampled))
+            batch_tokens += step.out.num_tokens
+            max_running = max(max_running, step.out.num_running)
             if sched.finished_log:
                 records.extend(RequestRecord.from_request(r) for r in sched.collect_finished())
 
@@ -392,12 +380,12 @@ class Simulator:
             "eager_budget_blocks": self.eager_budget,
             "iterations": s.iterations,
             "idle_iterations": idle_iterations,
-            "executes": executes,  # iterations that ran a batch (others only moved blocks)
+            "executes": core.stats.executes,  # iterations that ran a batch (others only moved blocks)
             "sim_time_s": clock.t,
-            "execute_s": exec_total,
-            "transfer_s": xfer_total,
-            "eager_overrun_s": eager_over,
-            "mean_iteration_s": (exec_total + xfer_total) / max(1, s.iterations),
+            "execute_s": core.stats.execute_s,
+            "transfer_s": link.critical_s_total,
+            "eager_overrun_s": link.eager_overrun_s,
+            "mean_iteration_s": (core.stats.execute_s + link.critical_s_total) / max(1, s.iterations),
             "mean_batch_tokens": batch_tokens / max(1, s.iterations),
             "max_running": max_running,
             "rotations": s.rotations,
@@ -424,6 +412,66 @@ class _Clock:
 
     def __call__(self) -> float:
         return self.t
+
+
+class _SimTransfers:
+    """The transfer cost model as the core's TransferEngine.
+
+    A plan's swaps are on the iteration's critical path (with `pipeline`, the what-if of
+    DESIGN §5, they hide behind its execution instead: the iteration takes
+    max(transfer, execute)); its eager copies run in the background on the D2H stream,
+    beside execution, and cost time only for the part that outlasts it.
+
+    The clock moves once per iteration, by its whole span, when the execution is
+    accounted (`span`): the simulated timings come from the models, not from timing the
+    calls, and one addition per iteration keeps the clock's floating-point sums the same
+    whatever the call order.
+    """
+
+    def __init__(self, model: TransferCostModel, clock: _Clock, pipeline: bool) -> None:
+        self.model = model
+        self.clock = clock
+        self.pipeline = pipeline
+        self.critical_s = 0.0  # this iteration's swaps, not yet on the clock
+        self.eager_s = 0.0  # this iteration's background copies
+        self.critical_s_total = 0.0
+        self.eager_overrun_s = 0.0
+
+    async def transfer(self, plan: TransferPlan) -> TransferResult:
+        xt = self.model.plan_time(plan)
+        self.critical_s, self.eager_s = xt.critical_s, xt.eager_s
+        self.critical_s_total += xt.critical_s
+        return TransferResult(xt.d2h_s + xt.eager_s, xt.h2d_s, xt.critical_s,
+                              int(xt.d2h_bytes), int(xt.h2d_bytes))
+
+    def span(self, execute_s: float) -> float:
+        """The iteration's time, given how long its execution took; resets for the next."""
+        crit, self.critical_s = self.critical_s, 0.0
+        over, self.eager_s = max(0.0, self.eager_s - execute_s), 0.0
+        self.eager_overrun_s += over
+        step = max(execute_s, crit) if self.pipeline else execute_s + crit
+        return step + over
+
+    def settle(self) -> None:
+        """After a step that executed nothing: its copies alone take the time."""
+        if self.critical_s or self.eager_s:
+            self.clock.t += self.span(0.0)
+
+
+class _SimExecutor:
+    """The execution cost model as the core's Executor: the batch takes its modelled time,
+    with the iteration's transfers (see _SimTransfers); every sampled request gets token 0."""
+
+    def __init__(self, model: ExecutionCostModel, clock: _Clock, link: _SimTransfers) -> None:
+        self.model = model
+        self.clock = clock
+        self.link = link
+
+    async def execute(self, iteration: int, chunks: list[ScheduledChunk]) -> ExecuteResult:
+        ex = self.model.iteration_s(chunks)
+        self.clock.t += self.link.span(ex)
+        return ExecuteResult(sampled={c.request_id: 0 for c in chunks if c.sample},
+                             execute_s=ex)
 
 
 def simulate(
