@@ -82,7 +82,7 @@ class BlockManager:
         self.block_size = block_size
         self.device = BlockAllocator(num_device_blocks)
         self.host = BlockAllocator(num_host_blocks)
-        self.tables: dict[str, BlockTable] = {}
+        self._tables: dict[str, BlockTable] = {}
         self._pending_device: dict[int, list[int]] = {}
         self._pending_host: dict[int, list[int]] = {}
         self._open: TransferPlan | None = None
@@ -105,18 +105,27 @@ class BlockManager:
     def num_free_host(self) -> int:
         return self.host.num_free
 
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host.num_blocks
+
+    def device_table(self, request_id: str) -> list[int]:
+        """A running request's device block table: the live list (not a copy), every entry
+        a device block. Valid until the next block move; copy it to keep it."""
+        return self._tables[request_id].device  # type: ignore[return-value]
+
     def table(self, req: Request) -> BlockTable:
-        return self.tables.setdefault(req.request_id, BlockTable())
+        return self._tables.setdefault(req.request_id, BlockTable())
 
     def device_block_ids(self, req: Request) -> list[int]:
         """The request's device block table itself (not a copy): valid until it changes."""
-        t = self.tables[req.request_id]
+        t = self._tables[req.request_id]
         if None in t.device:
             raise RuntimeError(f"request {req.request_id} is not fully on the device")
         return t.device  # type: ignore[return-value]  # no None in it: checked above
 
     def num_device_blocks_of(self, req: Request) -> int:
-        t = self.tables.get(req.request_id)
+        t = self._tables.get(req.request_id)
         return 0 if t is None else len(t.device) - t.device.count(None)
 
     def num_synced(self, req: Request) -> int:
@@ -192,13 +201,13 @@ class BlockManager:
         t.host.extend([None] * n)
 
     def try_grow(self, req: Request, num_new_tokens: int) -> bool:
-        """can_allocate + allocate in one call (the per-iteration path of running requests)."""
-        t = self.tables.get(req.request_id)
-        # Fast path, most decode steps: the tokens fit in the blocks the request holds (a
-        # running request holds all of its blocks on the device).
+        """can_allocate + allocate in one call, for a running request (which holds all of
+        its blocks on the device; check_integrity checks it): the per-iteration path."""
+        t = self._tables.get(req.request_id)
+        # Fast path, most decode steps: the tokens fit in the blocks the request holds.
         if t is not None and req.num_computed_tokens + num_new_tokens <= (
             len(t.device) * self.block_size
-        ) and None not in t.device:
+        ):
             return True
         if not self.can_allocate(req, num_new_tokens):
             return False
@@ -208,7 +217,7 @@ class BlockManager:
     # -- release ---------------------------------------------------------------------------
     def free(self, req: Request) -> None:
         """Finished or aborted: every block of the request goes back (fences respected)."""
-        t = self.tables.pop(req.request_id, None)
+        t = self._tables.pop(req.request_id, None)
         if t is None:
             return
         self._release_device([b for b in t.device if b is not None])
@@ -232,14 +241,14 @@ class BlockManager:
 
     def swap_out_cost(self, req: Request) -> int:
         """Blocks a rotate-out must copy: the computed blocks without a host copy."""
-        t = self.tables.get(req.request_id)
+        t = self._tables.get(req.request_id)
         if t is None:
             return 0
         keep = self.blocks_for(req.num_computed_tokens)
         return sum(1 for i in range(min(keep, len(t))) if t.host[i] is None)
 
     def swap_in_cost(self, req: Request) -> int:
-        t = self.tables.get(req.request_id)
+        t = self._tables.get(req.request_id)
         return 0 if t is None else len(t)
 
     def can_swap_out(self, req: Request) -> bool:
@@ -301,7 +310,7 @@ class BlockManager:
         below `host_reserve` free blocks (rotations need room more than eager copies do).
         """
         plan = self._plan()
-        n, bs, tables = 0, self.block_size, self.tables
+        n, bs, tables = 0, self.block_size, self._tables
         for req in running:
             t = tables.get(req.request_id)
             if t is None or t.eager_next >= req.num_computed_tokens // bs:
@@ -327,7 +336,7 @@ class BlockManager:
             ("host", self.host, self._pending_host, "host"),
         ):
             owner: dict[int, str] = {}
-            for rid, t in self.tables.items():
+            for rid, t in self._tables.items():
                 for b in getattr(t, col):
                     if b is None:
                         continue
@@ -344,7 +353,7 @@ class BlockManager:
             used = alloc.num_blocks - alloc.num_free
             if used != len(owner):
                 raise AssertionError(f"{tier}: {used} blocks in use, {len(owner)} accounted for")
-        for rid, t in self.tables.items():
+        for rid, t in self._tables.items():
             req = requests.get(rid)
             if req is None:
                 raise AssertionError(f"table for unknown request {rid}")
@@ -370,7 +379,7 @@ class BlockManager:
             self.complete(fence)
 
     def has_device_block_in(self, req: Request, blocks: set[int]) -> bool:
-        t = self.tables.get(req.request_id)
+        t = self._tables.get(req.request_id)
         return t is not None and any(d in blocks for d in t.device if d is not None)
 
     def drop_host_copies(self, req: Request, lost: Callable[[int], bool]) -> bool:
@@ -379,7 +388,7 @@ class BlockManager:
         The host blocks go back to the pool (their contents are garbage, the blocks are
         not); eager copies restart from the first hole.
         """
-        t = self.tables.get(req.request_id)
+        t = self._tables.get(req.request_id)
         if t is None:
             return False
         dropped = [i for i, h in enumerate(t.host) if h is not None and lost(h)]
@@ -397,7 +406,7 @@ class BlockManager:
         is every host copy after the first block without one: the request resumes by
         swapping the kept prefix in and recomputing from there (DESIGN §6).
         """
-        t = self.tables.get(req.request_id)
+        t = self._tables.get(req.request_id)
         if t is None:
             return 0
         limit = min(len(t), self.blocks_for(req.num_computed_tokens))
@@ -410,7 +419,7 @@ class BlockManager:
         t.device[:] = [None] * k
         t.eager_next = min(t.eager_next, k)
         if k == 0:
-            del self.tables[req.request_id]
+            del self._tables[req.request_id]
         return k
 
     def in_iteration(self) -> bool:

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from common.contracts import ExecuteResult, ScheduledChunk, TransferPlan
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.interfaces import SchedulerOutput
-from scheduler_svc.policy import Policy
+from scheduler_svc.policy import Policy, Unservable
 from scheduler_svc.policy.base import arrival_order
 from scheduler_svc.queue import Entry, RequestQueue
 from scheduler_svc.request import FinishReason, Request, RequestState
@@ -187,7 +187,7 @@ class Scheduler:
         self.iteration += 1
         plan = _Plan(now=self.clock(), budget=self.config.max_batched_tokens)
         self.bm.begin_iteration()
-        fcfs_mode = self.policy.fcfs_when_fits and self.everything_fits()
+        fcfs_mode = self.policy.plain_fcfs(self.everything_fits())
 
         order = (
             arrival_order(self.running.list())
@@ -196,7 +196,7 @@ class Scheduler:
         )
         self._schedule_running(order, plan)
         self._admit(order, plan, fcfs_mode)
-        if self.policy.offload and self.config.eager_budget_blocks and self.bm.host.num_blocks:
+        if self.policy.uses_host_pool and self.config.eager_budget_blocks and self.bm.num_host_blocks:
             self.stats.eager_blocks += self.bm.eager_copy(
                 self.running.list(), self.config.eager_budget_blocks,
                 self.config.host_reserve_blocks
@@ -227,8 +227,7 @@ class Scheduler:
 
     def _schedule_running(self, order: list[Request], plan: _Plan) -> None:
         """Give running requests their tokens; preempt from the tail when blocks run out."""
-        bm, running, bs, tokens = self.bm, RequestState.RUNNING, self.config.block_size, plan.tokens
-        tables = bm.tables
+        bm, running, tokens = self.bm, RequestState.RUNNING, plan.tokens
         # Per running request per iteration: kept lean (it dominates the decision's cost).
         for i, req in enumerate(order):
             if req.state is not running:
@@ -239,18 +238,14 @@ class Scheduler:
                 if plan.budget <= 0:
                     break
                 continue
-            t = tables.get(req.request_id)
-            if t is None or computed + n > len(t.device) * bs:  # else: fits the blocks it holds
-                while not bm.try_grow(req, n):
-                    victim = next(
-                        (v for v in reversed(order[i + 1 :]) if v.state is running), None
-                    )
-                    if victim is None:
-                        self._preempt(req, plan)
-                        break
-                    self._preempt(victim, plan)
-                if req.state is not running:
-                    continue
+            while not bm.try_grow(req, n):
+                victim = next((v for v in reversed(order[i + 1 :]) if v.state is running), None)
+                if victim is None:
+                    self._preempt(req, plan)
+                    break
+                self._preempt(victim, plan)
+            if req.state is not running:
+                continue
             tokens[req.request_id] = n
             plan.budget -= n
 
@@ -293,7 +288,7 @@ class Scheduler:
             if q.request_id in plan.displaced:
                 continue  # taken off the device this iteration: its D2H copy is in flight
             rotary = q.state is RequestState.ROTARY
-            if rotary and policy.no_swap_in_after_preemption and plan.preempted:
+            if rotary and not policy.may_swap_in(q, plan.preempted):
                 continue
             n = min(q.num_tokens - q.num_computed_tokens, plan.budget)
             need = bm.blocks_for(q.num_computed_tokens + n)
@@ -312,7 +307,7 @@ class Scheduler:
             else:
                 chosen = self._pick_victims(q, need, rotary, cost, victims, plan, need_seat)
             if chosen is None:
-                if not policy.skip_unservable or policy.holds_the_line(q, plan.now):
+                if policy.on_unservable(q, plan.now) is Unservable.STOP:
                     break  # strict order: stop at the first request that cannot be served
                 # Serve who can be served; q's lag keeps growing meanwhile.
                 if self._may_preempt_for(q, victims, plan):
@@ -395,13 +390,14 @@ class Scheduler:
                 continue
             if not policy.may_preempt(v, q, plan.now):
                 break  # victims come lowest first: later ones may not be preempted either
-            out_cost = bm.swap_out_cost(v) if policy.offload else 0
+            swaps = policy.swaps_out(v)
+            out_cost = bm.swap_out_cost(v) if swaps else 0
             if cap is not None and moved and moved + out_cost > cap:
                 continue
             held = bm.num_device_blocks_of(v)
             # Blocks a rotate-out copies stay busy until the copy ran: usable by compute
             # this iteration, not by a swap-in.
-            room += held - out_cost if rotary and policy.offload else held
+            room += held - out_cost if rotary and swaps else held
             moved += out_cost
             chosen.append(v)
         return chosen if need <= room and (chosen or not need_seat) else None
@@ -414,7 +410,8 @@ class Scheduler:
         plan.preempted = True
         plan.displaced.add(victim.request_id)
         self.stats.preemptions += 1
-        if self.policy.offload and victim.num_computed_tokens > 0 and self.bm.can_swap_out(victim):
+        if (self.policy.swaps_out(victim) and victim.num_computed_tokens > 0
+                and self.bm.can_swap_out(victim)):
             copied, freed = self.bm.swap_out(victim)
             plan.xfer_used += copied
             self.stats.rotations += 1
@@ -434,7 +431,7 @@ class Scheduler:
     def _chunks(self, plan: _Plan) -> tuple[list[ScheduledChunk], int]:
         """The batch for the worker, and how many of its tokens are decode steps."""
         chunks, decode = [], 0
-        requests, tables = self.requests, self.bm.tables
+        requests, table = self.requests, self.bm.device_table
         for rid, n in plan.tokens.items():
             req = requests[rid]
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
@@ -451,7 +448,7 @@ class Scheduler:
                 decode += 1
             s = req.sampling
             # The live table (see ScheduledChunk); a running request holds every block.
-            chunks.append(ScheduledChunk(rid, ids, start, tables[rid].device,  # type: ignore[arg-type]
+            chunks.append(ScheduledChunk(rid, ids, start, table(rid),
                                          sample, s.temperature, s.top_p, s.top_k, s.seed,
                                          len(output)))
         return chunks, decode

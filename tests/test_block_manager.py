@@ -52,7 +52,7 @@ def test_random_sequences_keep_integrity_and_leak_nothing(
                 r.state = RequestState.WAITING
                 del reqs[rid]
         elif op == "rotate_in" and r.state is RequestState.ROTARY:
-            if bm.can_swap_in(r, 1) and bm.blocks_for(r.num_computed_tokens + 1) <= bm.device.num_free:
+            if bm.can_swap_in(r, 1) and bm.blocks_for(r.num_computed_tokens + 1) <= bm.num_free_device:
                 bm.swap_in(r)
                 bm.allocate(r, 1)
                 r.state = RequestState.RUNNING

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_svc.policy import RotationLimits, VLTParams, make_policy, vlt
+from scheduler_svc.policy import RotationLimits, Unservable, VLTParams, make_policy, vlt
 from scheduler_svc.request import SLO, Request, RequestState, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 
@@ -82,12 +82,35 @@ def test_baseline_orders() -> None:
     assert [r.request_id for r in sf.candidates([w2, w1], [r1], now)] == ["r1", "w1", "w2"]
     assert [r.request_id for r in wf.candidates([w2, w1], [r1], now)] == ["w1", "w2", "r1"]
     assert [r.request_id for r in fc.candidates([w2, w1], [], now)] == ["w1", "w2"]
-    assert not fc.offload and sf.offload and wf.offload
+    assert not fc.uses_host_pool and sf.uses_host_pool and wf.uses_host_pool
     victim = req("v", 0.0, RequestState.RUNNING, last_token=9.9, run_start=1.0)
     assert wf.may_preempt(victim, w1, now)  # preempt to admit new requests
     assert not wf.may_preempt(victim, r1, now)  # ... but not to swap in
     assert not sf.may_preempt(victim, r1, now)
     assert not fc.may_preempt(victim, w1, now)
+
+
+def test_admission_decisions_are_the_policys() -> None:
+    """Each decision point of admission, asked of each policy on hand-built requests."""
+    now = 10.0
+    lvf = make_policy("lvf", P, RotationLimits(hold_vlt=-0.5))
+    sf, wf, fc = make_policy("swapped-first"), make_policy("waiting-first"), make_policy("fcfs")
+    rotary = req("r", 0.0, RequestState.ROTARY, last_token=9.9)
+    # Step 1 of LVF: plain FCFS only while everything fits; the baselines never switch.
+    assert lvf.plain_fcfs(True) and not lvf.plain_fcfs(False)
+    assert not any(p.plain_fcfs(True) for p in (sf, wf, fc))
+    # vLLM 0.6's rule: no swap-in in an iteration that preempted.
+    assert not sf.may_swap_in(rotary, True) and sf.may_swap_in(rotary, False)
+    assert lvf.may_swap_in(rotary, True) and wf.may_swap_in(rotary, True)
+    # Unservable candidates: LVF skips, unless a new request lags past hold_vlt.
+    young, old = req("y", arrival=9.9), req("o", arrival=7.0)  # VLT -0.98 and -0.4
+    assert lvf.on_unservable(young, now) is Unservable.SKIP
+    assert lvf.on_unservable(old, now) is Unservable.STOP
+    assert lvf.on_unservable(rotary, now) is Unservable.SKIP
+    assert all(p.on_unservable(young, now) is Unservable.STOP for p in (sf, wf, fc))
+    # Preemption parks KV in host memory, except under fcfs (recompute).
+    victim = req("v", 0.0, RequestState.RUNNING, last_token=9.9, run_start=1.0)
+    assert lvf.swaps_out(victim) and sf.swaps_out(victim) and not fc.swaps_out(victim)
 
 
 def _filled(policy: str, limits: RotationLimits | None = None) -> tuple[Scheduler, list[float]]:

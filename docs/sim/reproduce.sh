@@ -48,14 +48,16 @@ want pcie && run fig16_h100_pcie --hardware h100-pcie $BASE --rps 2,4,6,8,11,14 
   --json $OUT/fig16_h100_pcie.json --plot $OUT/fig16_h100_pcie.png
 want pcie && run fig16_pcie_link --hardware $OUT/gh200-96gb-pcie-link.json $BASE --rps $RATES \
   --policies $POL4 --json $OUT/fig16_pcie_link.json --plot $OUT/fig16_pcie_link.png
-want whatif && { echo "== whatif_skip"; .venv/bin/python $OUT/whatif_skip_unservable.py \
-  --hardware gh200-96gb $BASE --rps $RATES --policies lvf:label=lvf-skip-unservable \
-  --json $OUT/whatif_skip.json --plot $OUT/whatif_skip.png > $OUT/whatif_skip.txt 2>&1; tail -1 $OUT/whatif_skip.txt; }
-want whatif-more && { echo "== whatif_more"; .venv/bin/python $OUT/whatif_skip_unservable.py \
-  --hardware gh200-96gb $BASE --rps 14,17 \
+# The what-ifs of §6.7: LVF's skip of an unservable candidate is the product now, so the
+# "skip" runs are plain `sim` runs and whatif_skip_unservable.py runs the strict stop.
+want whatif && run whatif_skip --hardware gh200-96gb $BASE --rps $RATES \
+  --policies lvf:label=lvf-skip-unservable --json $OUT/whatif_skip.json --plot $OUT/whatif_skip.png
+want whatif && { echo "== whatif_strict"; .venv/bin/python $OUT/whatif_skip_unservable.py \
+  --hardware gh200-96gb $BASE --rps $RATES --policies lvf:label=lvf-strict-stop \
+  --json $OUT/whatif_strict.json > $OUT/whatif_strict.txt 2>&1; tail -1 $OUT/whatif_strict.txt; }
+want whatif-more && run whatif_more --hardware gh200-96gb $BASE --rps 14,17 \
   --policies lvf:alpha=1,lvf:label=lvf-default,lvf:alpha=9,lvf:beta_f=0.2,lvf:beta_f=0.8,lvf:beta_b=0.3,lvf:beta_b=0.6,lvf:xfer=150,lvf:xfer=600,lvf:min_res=8 \
-  --json $OUT/whatif_more.json > $OUT/whatif_more.txt 2>&1; tail -1 $OUT/whatif_more.txt; }
-want whatif-pcie && { echo "== whatif_skip_pcie_link"; .venv/bin/python $OUT/whatif_skip_unservable.py \
-  --hardware $OUT/gh200-96gb-pcie-link.json $BASE --rps 14,17,20 --policies lvf:label=lvf-skip-unservable \
-  --json $OUT/whatif_skip_pcie_link.json > $OUT/whatif_skip_pcie_link.txt 2>&1; tail -1 $OUT/whatif_skip_pcie_link.txt; }
+  --json $OUT/whatif_more.json
+want whatif-pcie && run whatif_skip_pcie_link --hardware $OUT/gh200-96gb-pcie-link.json $BASE \
+  --rps 14,17,20 --policies lvf:label=lvf-skip-unservable --json $OUT/whatif_skip_pcie_link.json
 exit 0

@@ -1,52 +1,33 @@
-"""What-if for the scheduler lead (not product code): LVF without head-of-line blocking.
+"""What-if for the scheduler lead (not product code): LVF with and without the head-of-line stop.
 
-DESIGN 4, LVF step 3 says "stop at the first q that cannot be served", and
-`Scheduler._admit` does exactly that. In a memory-bound run the head of LVF's queue is a
-rotary request whose whole KV (tens of blocks) must come back, while every running request
-is still inside its minimum residency; the walk stops there, and the waiting requests
-behind it, whose first chunk needs a few blocks, never get a turn. This script runs the
-*real* scheduler with that one `break` turned into `continue` (skip the candidate, try the
-next) and prints the same table as `superinfer sim`, so the two can be compared.
+DESIGN 4, LVF step 3 once said "stop at the first q that cannot be served". In a
+memory-bound run the head of LVF's queue is a rotary request whose whole KV (tens of
+blocks) must come back, while every running request is still inside its minimum residency;
+the walk stopped there, and the waiting requests behind it, whose first chunk needs a few
+blocks, never got a turn. LVF now skips such a candidate (`LVFPolicy.on_unservable`,
+unless it holds the line). This script runs the *real* scheduler with LVF's answer turned
+back into the strict stop, and prints the same table as `superinfer sim`, so the two can be
+compared (run `superinfer sim` itself for the product's LVF).
 
     python docs/sim/whatif_skip_unservable.py --hardware gh200-96gb --rps 8,11,14 \
-        --duration 120 --policies lvf --json docs/sim/whatif_skip.json
-
-It patches a copy of `_admit` taken from the source at run time; if the line it patches
-changes, it says so instead of running something else.
+        --duration 120 --policies lvf --json docs/sim/whatif_strict.json
 """
 
 from __future__ import annotations
 
-import inspect
 import sys
-import textwrap
 
-import scheduler_svc.scheduler as core
-from superinfer.sim import cli, engine
-
-LINE = "break  # stop at the first request that cannot be served"
+from scheduler_svc.policy import Unservable, lvf
+from scheduler_svc.request import Request
+from superinfer.sim import cli
 
 
-def _patched_scheduler_class() -> type[core.Scheduler]:
-    src = textwrap.dedent(inspect.getsource(core.Scheduler._admit))
-    if LINE not in src:
-        raise SystemExit(f"Scheduler._admit no longer contains {LINE!r}; update this what-if")
-    ns: dict[str, object] = {}
-    exec(compile(src.replace(LINE, "continue  # what-if: skip it"), "<what-if>", "exec"),
-         vars(core), ns)
-    return type("SkipUnservableScheduler", (core.Scheduler,), {"_admit": ns["_admit"]})
+def strict(self: lvf.LVFPolicy, candidate: Request, now: float) -> Unservable:
+    return Unservable.STOP  # what-if: the strict head-of-line stop
 
 
 def main() -> int:
-    cls = _patched_scheduler_class()
-    make = engine.Simulator.make_scheduler
-
-    def make_scheduler(self: engine.Simulator, clock: object) -> core.Scheduler:
-        s = make(self, clock)  # type: ignore[arg-type]
-        s.__class__ = cls
-        return s
-
-    engine.Simulator.make_scheduler = make_scheduler  # type: ignore[method-assign]
+    lvf.LVFPolicy.on_unservable = strict  # type: ignore[method-assign]
     return cli.main(["sim", *sys.argv[1:]])
 
 

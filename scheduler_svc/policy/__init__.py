@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from common.config import POLICY_NAMES
-from scheduler_svc.policy.base import Policy, RotationLimits
+from scheduler_svc.policy.base import Policy, RotationLimits, Unservable
 from scheduler_svc.policy.baselines import FCFSPolicy, SwappedFirstPolicy, WaitingFirstPolicy
 from scheduler_svc.policy.lvf import LVFPolicy
 from scheduler_svc.policy.vlt import VLTParams, vlt
@@ -29,6 +29,7 @@ __all__ = [
     "POLICY_NAMES",
     "Policy",
     "RotationLimits",
+    "Unservable",
     "VLTParams",
     "make_policy",
     "vlt",

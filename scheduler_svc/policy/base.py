@@ -15,10 +15,15 @@ Ordering is split in two so that it stays cheap with thousands of live requests:
 
 `candidates()` and `running_order()` are the same order computed the plain way (one sort
 over everything): the definition the lazy merge must equal, and what tests call.
+
+Admission asks the policy at each decision point (`plain_fcfs`, `may_swap_in`,
+`on_unservable`, `may_preempt`, `swaps_out`): small pure methods of a request and the time,
+so a test can call each with hand-built requests, and the scheduler has no policy flags.
 """
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -39,19 +44,37 @@ class RotationLimits:
     hold_vlt: float | None = None
 
 
+class Unservable(enum.Enum):
+    """What admission does with a candidate it cannot serve this iteration."""
+
+    STOP = "stop"  # strict order: admit nobody after it (vLLM)
+    SKIP = "skip"  # serve the candidates after it; its lag keeps growing meanwhile
+
+
 class Policy(ABC):
     name: str = "?"
-    # True: a preempted request parks its KV in host memory (rotary); False: recompute.
-    offload: bool = True
-    # True: while every live request fits in device memory, act as plain FCFS.
-    fcfs_when_fits: bool = False
-    # vLLM 0.6: no swap-in in an iteration that had to preempt.
-    no_swap_in_after_preemption: bool = False
-    # False: admission stops at the first request that cannot be served (strict order, as
-    # vLLM); True: it skips that one and serves the next (LVF: the simulator measured the
-    # strict rule blocking new requests behind a large rotary one, docs/sim/README.md).
-    skip_unservable: bool = False
+    # Whether preempted requests may park their KV in host memory at all (rotary). False:
+    # preemption always recomputes, and synced blocks get no eager host copies.
+    uses_host_pool: bool = True
     limits: RotationLimits = RotationLimits()
+
+    # -- admission decisions (the scheduler asks; defaults are vLLM's behaviour) ------------
+    def plain_fcfs(self, everything_fits: bool) -> bool:
+        """Run this iteration as plain FCFS with chunked prefill and no rotation?
+        `everything_fits`: every live request, with its next token, fits the device pool."""
+        return False
+
+    def swaps_out(self, victim: Request) -> bool:
+        """Preempting `victim`: park its KV in host memory (True) or recompute it later?"""
+        return self.uses_host_pool
+
+    def may_swap_in(self, candidate: Request, preempted_this_iteration: bool) -> bool:
+        """May rotary `candidate` come back in this iteration?"""
+        return True
+
+    def on_unservable(self, candidate: Request, now: float) -> Unservable:
+        """`candidate` does not fit and nobody may be preempted for it: stop or skip?"""
+        return Unservable.STOP
 
     # -- candidates: waiting and rotary requests, most deserving first ---------------------
     @abstractmethod
@@ -78,11 +101,6 @@ class Policy(ABC):
     def running_order(self, running: list[Request], now: float) -> list[Request]:
         """Running requests, most deserving first; preemption victims come from the tail."""
         return sorted(running, key=lambda r: self.running_merge_key(r, now))
-
-    def holds_the_line(self, candidate: Request, now: float) -> bool:
-        """For policies that skip unservable candidates: must admission stop at this one
-        instead (anti-starvation, `RotationLimits.hold_vlt`)?"""
-        return False
 
     def may_preempt(self, victim: Request, candidate: Request, now: float) -> bool:
         """May `victim` be rotated out to make room for `candidate` (proactive preemption)?

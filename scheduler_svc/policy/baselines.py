@@ -15,7 +15,7 @@ class FCFSPolicy(StaticOrderPolicy):
     """vLLM V1 default: no offload; a preempted request recomputes; strict arrival order."""
 
     name = "fcfs"
-    offload = False
+    uses_host_pool = False
 
     def order_key(self, req: Request, rotary: bool) -> OrderKey:
         return 0, (req.arrival_time, req.request_id)
@@ -28,7 +28,9 @@ class SwappedFirstPolicy(StaticOrderPolicy):
     """
 
     name = "swapped-first"
-    no_swap_in_after_preemption = True
+
+    def may_swap_in(self, candidate: Request, preempted_this_iteration: bool) -> bool:
+        return not preempted_this_iteration  # vLLM 0.6: no swap-in once it had to preempt
 
     def order_key(self, req: Request, rotary: bool) -> OrderKey:
         rank = 0 if rotary else 1

@@ -9,16 +9,13 @@ relative order forever: one group per (formula, SLO), sorted by anchor.
 
 from __future__ import annotations
 
-from scheduler_svc.policy.base import OrderKey, Policy, RotationLimits
+from scheduler_svc.policy.base import OrderKey, Policy, RotationLimits, Unservable
 from scheduler_svc.policy.vlt import VLTParams, vlt
 from scheduler_svc.request import Request, RequestState
 
 
 class LVFPolicy(Policy):
     name = "lvf"
-    offload = True
-    fcfs_when_fits = True
-    skip_unservable = True
 
     def __init__(self, params: VLTParams, limits: RotationLimits) -> None:
         self.params = params
@@ -43,10 +40,20 @@ class LVFPolicy(Policy):
     def running_merge_key(self, req: Request, now: float) -> tuple[float, ...]:
         return (-vlt(req, now, self.params), req.arrival_time)
 
+    def plain_fcfs(self, everything_fits: bool) -> bool:
+        # LVF step 1: while memory is not short, rotating anyone only costs transfers.
+        return everything_fits
+
+    def on_unservable(self, candidate: Request, now: float) -> Unservable:
+        # Skip by default: the simulator measured the strict rule blocking new requests
+        # behind a large rotary one (docs/sim/README.md). But a new request lagging past
+        # hold_vlt holds the line: without this a large prompt waits while later, smaller
+        # ones keep taking the free blocks (measured on the real stack: 21 s TTFT with 13
+        # blocks free, docs/results/experiment/README.md).
+        return Unservable.STOP if self.holds_the_line(candidate, now) else Unservable.SKIP
+
     def holds_the_line(self, candidate: Request, now: float) -> bool:
-        # A new request lagging past hold_vlt is not skipped: without this a large prompt
-        # waits while later, smaller ones keep taking the free blocks (measured on the real
-        # stack: 21 s TTFT with 13 blocks free, docs/results/experiment/README.md).
+        """Must admission stop at this new request so that free blocks gather for it?"""
         hold = self.limits.hold_vlt
         return (hold is not None and candidate.first_token_time is None
                 and candidate.state is RequestState.WAITING
