@@ -22,12 +22,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from worker.loader import (  # noqa: E402
-    ModelConfig,
-    ModelLoadError,
-    _llama3_rope_freq_factors,
-    _llama3_scaling_from_freq_factors,
-    load_weights,
+from worker.loader import ModelConfig, ModelLoadError, load_weights  # noqa: E402
+from worker.model_config import (  # noqa: E402
+    llama3_rope_freq_factors,
+    llama3_scaling_from_freq_factors,
 )
 
 # "The capital of Germany is Berlin. The capital of Spain is Madrid. The capital of Italy is"
@@ -61,7 +59,7 @@ def _inv_freq(cfg: ModelConfig) -> torch.Tensor:
     elif sc["rope_type"] == "linear":
         inv = inv / sc["factor"]
     elif sc["rope_type"] == "llama3":
-        factors = _llama3_rope_freq_factors(
+        factors = llama3_rope_freq_factors(
             cfg.rope_theta, hd, sc["factor"], sc["low_freq_factor"],
             sc["high_freq_factor"], sc["original_max_position_embeddings"],
         )
@@ -393,7 +391,7 @@ def test_tiny_gguf_roundtrip(tmp_path, kind):
     freqs = None
     if kind == "llama3":
         sc = cfg.rope_scaling
-        freqs = _llama3_rope_freq_factors(cfg.rope_theta, cfg.head_dim, sc["factor"],
+        freqs = llama3_rope_freq_factors(cfg.rope_theta, cfg.head_dim, sc["factor"],
                                           sc["low_freq_factor"], sc["high_freq_factor"],
                                           sc["original_max_position_embeddings"])
         cfg = ModelConfig(**{**_fields(cfg), "architecture": "llama"})
@@ -406,7 +404,7 @@ def test_tiny_gguf_roundtrip(tmp_path, kind):
     if kind == "llama3":  # recovered up to the (free) choice of original context length
         got = gcfg.rope_scaling
         assert got["rope_type"] == "llama3" and got["factor"] == pytest.approx(8.0)
-        again = _llama3_rope_freq_factors(gcfg.rope_theta, gcfg.head_dim, got["factor"],
+        again = llama3_rope_freq_factors(gcfg.rope_theta, gcfg.head_dim, got["factor"],
                                           got["low_freq_factor"], got["high_freq_factor"],
                                           got["original_max_position_embeddings"])
         np.testing.assert_allclose(again, freqs, rtol=1e-6)
@@ -424,15 +422,15 @@ def test_tiny_gguf_roundtrip(tmp_path, kind):
      (500000.0, 64, 32.0, 1.0, 4.0, 8192),  # Llama 3.2 1B/3B
      (10000.0, 16, 4.0, 2.0, 3.0, 1024)])
 def test_llama3_rope_inference(theta, hd, factor, low, high, orig):
-    f = _llama3_rope_freq_factors(theta, hd, factor, low, high, orig)
-    sc = _llama3_scaling_from_freq_factors(f, theta, hd, orig)
-    again = _llama3_rope_freq_factors(theta, hd, sc["factor"], sc["low_freq_factor"],
+    f = llama3_rope_freq_factors(theta, hd, factor, low, high, orig)
+    sc = llama3_scaling_from_freq_factors(f, theta, hd, orig)
+    again = llama3_rope_freq_factors(theta, hd, sc["factor"], sc["low_freq_factor"],
                                       sc["high_freq_factor"], sc["original_max_position_embeddings"])
     np.testing.assert_allclose(again, f, rtol=1e-6)
     assert sc["factor"] == pytest.approx(factor)
-    assert _llama3_scaling_from_freq_factors(np.ones(hd // 2), theta, hd, orig) is None
+    assert llama3_scaling_from_freq_factors(np.ones(hd // 2), theta, hd, orig) is None
     with pytest.raises(ValueError):
-        _llama3_scaling_from_freq_factors(np.linspace(1, 3, hd // 2)[::-1], theta, hd, orig)
+        llama3_scaling_from_freq_factors(np.linspace(1, 3, hd // 2)[::-1], theta, hd, orig)
 
 
 # --------------------------------------------------------------------------- errors
