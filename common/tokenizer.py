@@ -62,6 +62,11 @@ class Tokenizer:
             **(template_vars or {}),
         }
 
+    @property
+    def backend(self) -> HFTokenizer:
+        """The `tokenizers.Tokenizer` underneath."""
+        return self._tk
+
     # -- constructors ---------------------------------------------------------------
 
     @classmethod
@@ -229,46 +234,46 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Turns one request's stream of generated ids into text deltas.
 
-    A character can span several byte-level tokens, so text is only released once it
-    does not end in U+FFFD (an incomplete UTF-8 sequence). Each step decodes a short
-    window that starts a few tokens before the unreleased ones, because some decoders
-    (SentencePiece's leading-space strip) render a token differently at the start of a
-    string. Special tokens are dropped. Concatenating every ``feed`` result and the
-    final ``flush`` gives ``decode(ids, skip_special_tokens=True)``.
+    `tokenizers.decoders.DecodeStream` does the work: a character can span several
+    byte-level tokens, and it releases text only once a token completes it (decoding
+    against the tokens before, so that decoders that render a token differently at the
+    start of a string stay right). Special tokens are dropped. ``flush`` releases what is
+    still held back at the end of a stream (say, half of an emoji, as U+FFFD), so that
+    concatenating every ``feed`` result and the final ``flush`` gives
+    ``decode(ids, skip_special_tokens=True)``.
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
+        self._stream = decoders.DecodeStream(skip_special_tokens=True)
         self._ids: list[int] = []
-        self._prefix = 0  # start of the context window
-        self._read = 0  # ids before this have been released as text
+        self._released = 0  # characters of text released so far
+        self._held = False  # ids were fed whose text is not released yet
 
     def feed(self, new_ids: Iterable[int]) -> str:
         """Add generated ids; return the text they complete (possibly empty)."""
-        special = self._tok.special_ids
-        self._ids.extend(i for i in new_ids if i not in special)
-        if self._read == len(self._ids):
-            return ""
-        return self._release(final=False)
+        out = []
+        backend = self._tok.backend
+        for i in new_ids:
+            self._ids.append(i)
+            chunk = self._stream.step(backend, i)
+            if chunk is None:
+                self._held = True
+            else:
+                out.append(chunk)
+                self._held = False
+        text = "".join(out)
+        self._released += len(text)
+        return text
 
     def flush(self) -> str:
         """At the end of the stream, release whatever is held back (even a lone U+FFFD)."""
-        if self._read == len(self._ids):
+        if not self._held:
             return ""
-        return self._release(final=True)
-
-    def _release(self, *, final: bool) -> str:
-        prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
-        # Release up to the last id that ends a whole character; usually that is the
-        # newest id, so this loop runs once (more only when several ids arrive at once).
-        for end in range(len(self._ids), self._read, -1):
-            text = self._tok.decode(self._ids[self._prefix : end])
-            if len(text) > len(prefix_text) and (final or not text.endswith("\ufffd")):
-                self._prefix, self._read = self._read, end
-                return text[len(prefix_text) :]
-            if final:
-                break
-        return ""
+        self._held = False
+        tail = self._tok.decode(self._ids, skip_special_tokens=True)[self._released :]
+        self._released += len(tail)
+        return tail
 
 
 def _read_json(path: Path) -> dict[str, Any]:
