@@ -1,8 +1,8 @@
-"""The scheduler service's one iteration loop: plan -> transfer -> execute -> update.
+"""The scheduler service's serving loop: the engine step over gRPC, streams, recovery.
 
-The same `Scheduler` core as `superinfer generate`, driven over gRPC: kvmem carries out
-the iteration's block copies (and the fence is released only after they are done),
-then the worker runs the batch. Each live request has an asyncio.Queue that its
+The same engine step as `superinfer generate` (`scheduler_svc/engine_core.py`), with
+kvmem as its transfer engine and the worker as its executor (the lanes at the end of this
+file). What the loop adds is the service's own: each live request has an asyncio.Queue that its
 `Generate` stream drains; everything here runs on the event loop's thread, so scheduler
 state needs no lock — handlers and the loop take turns at `await` points.
 

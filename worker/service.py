@@ -48,7 +48,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.config = config
         self.loaded: Loaded | None = None
         # Our pool's segment name, so that a worker killed with SIGKILL leaves no segment
-        # behind: the next one (or the supervisor) unlinks it (superinfer/shm.py).
+        # behind: the next one (or the supervisor) unlinks it (common/shm.py).
         self.segments = SegmentRecord(run_dir / "worker.shm") if run_dir else None
         self._lock = asyncio.Lock()  # one batch at a time: batches write the shared pool
 
