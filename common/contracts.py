@@ -24,13 +24,33 @@ class TransferPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) D2H
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) H2D
     eager: list[tuple[int, int]] = field(default_factory=list)  # (device, host) D2H, background
+    # (host, device) H2D into blocks a batch still in flight may touch: the pipelined step
+    # copies them once that batch is done (in a serial step there are none).
+    late_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.eager)
+        return bool(self.swap_out or self.swap_in or self.eager or self.late_swap_in)
 
     @property
     def num_blocks(self) -> int:
-        return len(self.swap_out) + len(self.swap_in) + len(self.eager)
+        return (len(self.swap_out) + len(self.swap_in) + len(self.eager)
+                + len(self.late_swap_in))
+
+    def beside_batch(self) -> TransferPlan:
+        """The copies that may run while the batch in flight executes: swap-ins into free
+        blocks, eager copies of settled blocks."""
+        return TransferPlan(self.fence, swap_in=self.swap_in, eager=self.eager)
+
+    def after_batch(self) -> TransferPlan:
+        """The copies that must wait for the batch in flight: rotate-outs (it writes their
+        last block) and swap-ins into blocks it may still read."""
+        return TransferPlan(self.fence, swap_out=self.swap_out, swap_in=self.late_swap_in)
+
+
+# A token id the scheduler does not know yet: the one the previous batch sampled for this
+# request, still in flight when this batch was planned. Only ever a chunk's last token;
+# the worker puts its own sample in its place (worker/batches.py).
+PLACEHOLDER = -1
 
 
 @dataclass(slots=True)

@@ -9,11 +9,17 @@ Fences: a device block whose content is still being copied to the host is not re
 until that copy completes, and a host block that is the source of an in-flight copy is not
 reusable either. Such blocks sit in `_pending_*[fence]` until `complete(fence)`.
 
-One exception, from the iteration contract (every loop — engine, service, simulator —
-finishes an iteration's transfers before that iteration executes): a device block freed
-by this iteration's rotate-out may be handed to *compute* in the same iteration (the
-worker writes it only after the copy has read it), but never to a swap-in, whose H2D copy
-would run at the same time as the D2H copy reading it.
+One exception, from the serial iteration contract (the step finishes an iteration's
+transfers before that iteration executes): a device block freed by this iteration's
+rotate-out may be handed to *compute* in the same iteration (the worker writes it only
+after the copy has read it), but never to a swap-in, whose H2D copy would run at the same
+time as the D2H copy reading it. The pipelined step copies rotate-outs beside the next
+execution, so there (`same_iteration_reuse=False`) such a block waits for its fence.
+
+Executes in flight (`begin_execute` / `end_execute`): a device block released while a
+batch that may read or write it is still running is *compute-only* until that batch ends.
+The worker runs batches in order, so the next batch may write it; a swap-in, whose H2D
+copy runs beside the batch in flight, may not.
 """
 
 from __future__ import annotations
@@ -76,10 +82,12 @@ class BlockTable:
 
 
 class BlockManager:
-    def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int) -> None:
+    def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int,
+                 same_iteration_reuse: bool = True) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
+        self.same_iteration_reuse = same_iteration_reuse
         self.device = BlockAllocator(num_device_blocks)
         self.host = BlockAllocator(num_host_blocks)
         self._tables: dict[str, BlockTable] = {}
@@ -92,6 +100,9 @@ class BlockManager:
         self._open_busy: set[int] = set()
         self._next_fence = 1
         self._eager_queue: deque[str] = deque()
+        self._executing: list[int] = []  # iterations whose batch is in flight, in order
+        self._held: dict[int, list[int]] = {}  # compute-only blocks, by the batch they wait for
+        self._num_held = 0
 
     # -- sizes ---------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -129,7 +140,8 @@ class BlockManager:
         return 0 if t is None else len(t.device) - t.device.count(None)
 
     def num_synced(self, req: Request) -> int:
-        return req.num_computed_tokens // self.block_size
+        """Full blocks whose KV no batch in flight still writes: their content is final."""
+        return req.num_settled_tokens // self.block_size
 
     # -- the iteration's transfer plan and fences ---------------------------------------------
     def begin_iteration(self) -> None:
@@ -153,15 +165,51 @@ class BlockManager:
         return self._open
 
     def _release_device(self, blocks: list[int]) -> None:
-        """Return device blocks: to the free list, or to the open fence if a D2H reads them."""
-        if not self._open_busy:
+        """Return device blocks: to the free list; to the open fence if a D2H reads them; or
+        compute-only while a batch that may touch them is in flight."""
+        if not self._open_busy and not self._executing:
             self.device.free(blocks)
             return
         for b in blocks:
             if b in self._open_busy:
                 self._pending_device[self._plan().fence].append(b)
+            elif self._executing:
+                self._held.setdefault(self._executing[-1], []).append(b)
+                self._num_held += 1
             else:
                 self.device.free([b])
+
+    # -- batches in flight --------------------------------------------------------------------
+    def begin_execute(self, iteration: int) -> None:
+        """The batch of `iteration` is sent to the worker (it reads and writes its blocks)."""
+        self._executing.append(iteration)
+
+    def end_execute(self, iteration: int) -> None:
+        """That batch is done (or will never touch the pool again): what it held is free."""
+        if iteration in self._executing:
+            self._executing.remove(iteration)
+        for tag in [t for t in self._held if t <= iteration]:
+            blocks = self._held.pop(tag)
+            self._num_held -= len(blocks)
+            self.device.free(blocks)
+
+    @property
+    def executing(self) -> list[int]:
+        return list(self._executing)
+
+    def _take_held(self, n: int) -> list[int]:
+        """n compute-only blocks, those waiting for the oldest batch first."""
+        if n > self._num_held:
+            raise MemoryError(f"asked for {n} held device blocks, {self._num_held} held")
+        out: list[int] = []
+        while len(out) < n:
+            tag = min(self._held)
+            held = self._held[tag]
+            out.append(held.pop())
+            if not held:
+                del self._held[tag]
+        self._num_held -= n
+        return out
 
     def complete(self, fence: int) -> None:
         """A transfer batch finished: blocks it held become reusable."""
@@ -173,11 +221,16 @@ class BlockManager:
         return sorted(set(self._pending_device) | set(self._pending_host))
 
     # -- device allocation (check / act) -------------------------------------------------------
+    def _opened(self) -> list[int]:
+        """Blocks this iteration's rotate-outs release that compute may still use (see top)."""
+        if self._open is None or not self.same_iteration_reuse:
+            return []
+        return self._pending_device.get(self._open.fence, [])
+
     @property
     def num_free_for_compute(self) -> int:
-        """Free device blocks plus those this iteration's rotate-outs release (see top)."""
-        opened = self._pending_device.get(self._open.fence, []) if self._open else []
-        return self.device.num_free + len(opened)
+        """Free device blocks plus the compute-only ones (see top)."""
+        return self.device.num_free + len(self._opened()) + self._num_held
 
     def num_new_blocks(self, req: Request, num_new_tokens: int) -> int:
         need = self.blocks_for(req.num_computed_tokens + num_new_tokens)
@@ -194,9 +247,11 @@ class BlockManager:
             raise MemoryError(f"asked for {n} device blocks, {self.num_free_for_compute} free")
         take = min(n, self.device.num_free)
         new = self.device.allocate(take)
-        if take < n:
-            opened = self._pending_device[self._plan().fence]
-            new += [opened.pop() for _ in range(n - take)]
+        opened = self._opened()
+        while len(new) < n and opened:
+            new.append(opened.pop())
+        # Compute-only blocks last: the worker writes them after the batch in flight.
+        new += self._take_held(n - len(new))
         t.device.extend(new)
         t.host.extend([None] * n)
 
@@ -224,9 +279,11 @@ class BlockManager:
         self.host.free([b for b in t.host if b is not None])
 
     def drop_to_recompute(self, req: Request) -> None:
-        """Forget the request's KV in both tiers; it recomputes from its tokens."""
+        """Forget the request's KV in both tiers; it recomputes from its tokens (a chunk of
+        it still in flight writes KV that no longer counts: a new kv_epoch)."""
         self.free(req)
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_inflight_tokens = 0
+        req.kv_epoch += 1
 
     # -- rotation ---------------------------------------------------------------------------
     def _trim(self, req: Request) -> None:
@@ -280,20 +337,29 @@ class BlockManager:
             t.device[i] = None
         return copied, freed
 
+    @property
+    def num_free_for_swap_in(self) -> int:
+        """Blocks a swap-in may target: free ones, and the compute-only ones (its copy then
+        waits for the batch in flight: `TransferPlan.late_swap_in`)."""
+        return self.device.num_free + self._num_held
+
     def can_swap_in(self, req: Request, num_new_tokens: int = 1) -> bool:
-        return self.blocks_for(req.num_computed_tokens + num_new_tokens) <= self.device.num_free
+        need = self.blocks_for(req.num_computed_tokens + num_new_tokens)
+        return need <= self.num_free_for_swap_in
 
     def swap_in(self, req: Request) -> int:
         """Rotate in: copy every block H2D; keep host copies of synced blocks valid."""
         plan = self._plan()
         t = self.table(req)
-        devs = self.device.allocate(len(t))
+        n = len(t)
+        free = min(n, self.device.num_free)
+        devs = self.device.allocate(free) + self._take_held(n - free)
         synced = self.num_synced(req)
         for i, d in enumerate(devs):
             h = t.host[i]
             if h is None:
                 raise RuntimeError(f"request {req.request_id}: block {i} has no host copy")
-            plan.swap_in.append((h, d))
+            (plan.swap_in if i < free else plan.late_swap_in).append((h, d))
             t.device[i] = d
             if i >= synced:
                 # The dirty last block will change: its host copy is stale from now on,
@@ -350,6 +416,15 @@ class BlockManager:
                     if b in owner:
                         raise AssertionError(f"{tier} block {b} pending on {fence} yet owned")
                     owner[b] = f"fence {fence}"
+            if tier == "device":
+                for tag, blocks in self._held.items():
+                    for b in blocks:
+                        if b in owner:
+                            raise AssertionError(f"device block {b} held for batch {tag} "
+                                                 f"yet owned by {owner[b]}")
+                        owner[b] = f"batch {tag}"
+                if sum(map(len, self._held.values())) != self._num_held:
+                    raise AssertionError("held block count out of step")
             used = alloc.num_blocks - alloc.num_free
             if used != len(owner):
                 raise AssertionError(f"{tier}: {used} blocks in use, {len(owner)} accounted for")

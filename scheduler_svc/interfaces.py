@@ -30,6 +30,9 @@ class SchedulerOutput:
     rotated_out: list[str] = field(default_factory=list)
     rotated_in: list[str] = field(default_factory=list)
     recomputed: list[str] = field(default_factory=list)
+    # Each chunk's request's kv_epoch when it was planned: a chunk settles only KV that
+    # still counts (scheduler.update_from_output / rollback).
+    kv_epochs: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

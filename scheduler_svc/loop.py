@@ -300,6 +300,10 @@ class ServingLoop:
         rec = None
         if device or host or suspect:
             rec = self.scheduler.kv_lost(device=device, host=host, failed=_merged(suspect))
+        else:
+            # Both pools survived: only the batches in flight are lost (the worker has
+            # stopped writing: it answered GetKVPool, which waits for a running forward).
+            self.scheduler.abandon_in_flight()
         self.pool_id, self.host_pool_id = handle.pool_id, reply.host_pool_id
         self._outage = None
         if device or host:
@@ -325,6 +329,9 @@ class ServingLoop:
         """
         live = list(self.scheduler.requests)
         log.error("requests_failed", error=why, failed_requests=len(live))
+        # Batches in flight are given up with their requests (a worker that still runs one
+        # runs the next batch only after it: see worker/batches.py).
+        self.scheduler.abandon_in_flight()
         for rid in live:
             self.scheduler.abort(rid)
         self._publish([], reason="error", error=why)

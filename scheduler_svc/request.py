@@ -76,8 +76,18 @@ class Request:
     max_model_len: int = 1 << 30
 
     output_token_ids: list[int] = field(default_factory=list)
-    # KV of tokens [0, num_computed_tokens) is in the cache (device, or host when rotary).
+    # KV of tokens [0, num_computed_tokens) is in the cache (device, or host when rotary),
+    # or is being written by an execute in flight: a chunk counts as computed once it is
+    # scheduled (so the next iteration can be planned while it runs). Of those,
+    # `num_inflight_tokens` are still being written; the rest are settled.
     num_computed_tokens: int = 0
+    num_inflight_tokens: int = 0
+    # Tokens sampled by executes in flight whose ids are not known yet; they count in
+    # num_tokens, so the next decode can be planned (the worker fills in the id).
+    num_placeholders: int = 0
+    # Bumped whenever the request's KV is dropped (recompute, lost pool): chunks in flight
+    # from before that wrote KV that no longer counts.
+    kv_epoch: int = 0
     state: RequestState = RequestState.WAITING
     finish_reason: FinishReason | None = None
 
@@ -106,7 +116,22 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt and output tokens, including those still being sampled (placeholders)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_placeholders
+
+    @property
+    def num_settled_tokens(self) -> int:
+        """Computed tokens whose KV no execute in flight is still writing."""
+        return self.num_computed_tokens - self.num_inflight_tokens
+
+    @property
+    def finishes_when_outputs_land(self) -> bool:
+        """With tokens in flight: does it reach max_tokens or the context then? (Nothing to
+        schedule for it; it finishes when they land.)"""
+        return self.num_placeholders > 0 and (
+            len(self.output_token_ids) + self.num_placeholders >= self.sampling.max_tokens
+            or self.num_tokens >= self.max_model_len
+        )
 
     @property
     def num_output_tokens(self) -> int:
@@ -140,6 +165,9 @@ class Request:
         self.transitions.append((now, state.value))
 
     def append_token(self, token_id: int, now: float) -> None:
+        """A sampled token landed: it takes the place of its placeholder, if it has one."""
+        if self.num_placeholders:
+            self.num_placeholders -= 1
         self.output_token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = now

@@ -1,9 +1,16 @@
-"""The engine core: who runs each iteration, which KV blocks move, what the worker computes.
+"""The scheduler core: who runs each iteration, which KV blocks move, what the worker computes.
 
 `schedule()` plans one iteration, `update_from_output()` applies its results — the same
 code in the service, in `superinfer generate` and in the simulator. One rule for prefill
 and decode: a running request's `num_computed_tokens` catches up to its `num_tokens`,
 at most `max_batched_tokens` tokens per iteration across all requests (chunked prefill).
+
+A scheduled chunk counts as computed at once, and a chunk that samples adds a placeholder
+token, so the next iteration can be planned while this one executes (the pipelined step,
+`engine_core.py`): its decodes carry `PLACEHOLDER`, which the worker fills in with the token
+it sampled for that request in the batch before. `update_from_output()` then only settles
+the chunks and puts the sampled ids in their placeholders' places; `rollback()` undoes an
+iteration whose output will never come (a peer failed).
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 
-from common.contracts import ExecuteResult, ScheduledChunk, TransferPlan
+from common.contracts import PLACEHOLDER, ExecuteResult, ScheduledChunk, TransferPlan
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.interfaces import SchedulerOutput
 from scheduler_svc.policy import Policy, Unservable
@@ -32,6 +39,9 @@ class SchedulerConfig:
     max_model_len: int = 8192
     eager_budget_blocks: int = 32  # background D2H copies per iteration (0: off)
     host_reserve_blocks: int = 0  # eager copies leave this many host blocks free
+    # Planned one iteration ahead, its transfers beside the batch in flight (the pipelined
+    # step): blocks of this iteration's rotate-outs are not reused before their copy is done.
+    pipelined: bool = False
 
     def __post_init__(self) -> None:
         if self.num_device_blocks < 1:
@@ -97,7 +107,8 @@ class Scheduler:
         self.config = config
         self.policy = policy
         self.clock = clock
-        self.bm = BlockManager(config.num_device_blocks, config.num_host_blocks, config.block_size)
+        self.bm = BlockManager(config.num_device_blocks, config.num_host_blocks, config.block_size,
+                               same_iteration_reuse=not config.pipelined)
         self.requests: dict[str, Request] = {}
         # Each queue keeps the policy's groups sorted, so an iteration merges them lazily
         # instead of sorting every live request (policy/base.py).
@@ -107,6 +118,8 @@ class Scheduler:
         self.iteration = 0
         self.stats = SchedulerStats()
         self.finished_log: list[Request] = []  # finished requests not yet collected
+        # Planned iterations whose output has not landed: their batches are in flight.
+        self._in_flight: dict[int, SchedulerOutput] = {}
         # Device blocks every live request needs for its next token, kept up to date so
         # that `everything_fits` is O(1) (check_integrity recomputes it).
         self._blocks_needed = 0
@@ -204,15 +217,16 @@ class Scheduler:
         transfers = self.bm.end_iteration()
         if transfers is not None:
             self.stats.swap_out_blocks += len(transfers.swap_out)
-            self.stats.swap_in_blocks += len(transfers.swap_in)
+            self.stats.swap_in_blocks += len(transfers.swap_in) + len(transfers.late_swap_in)
 
         chunks, decode = self._chunks(plan)
+        epochs = self._advance(chunks)
         decision = time.perf_counter() - t0
         self.stats.iterations += 1
         self.stats.decision_s_total += decision
         self.stats.decision_s_max = max(self.stats.decision_s_max, decision)
         total = sum(len(c.token_ids) for c in chunks)
-        return SchedulerOutput(
+        out = SchedulerOutput(
             iteration=self.iteration,
             chunks=chunks,
             transfers=transfers,
@@ -223,7 +237,28 @@ class Scheduler:
             rotated_out=plan.out,
             rotated_in=plan.into,
             recomputed=plan.recomputed,
+            kv_epochs=epochs,
         )
+        if chunks:
+            self._in_flight[out.iteration] = out
+            self.bm.begin_execute(out.iteration)
+        return out
+
+    def _advance(self, chunks: list[ScheduledChunk]) -> dict[str, int]:
+        """The batch counts as computed (in flight) from now on; a sampling chunk adds its
+        placeholder token. Returns each request's kv_epoch, to settle the chunk against."""
+        requests, bs, epochs = self.requests, self.config.block_size, {}
+        for c in chunks:
+            req = requests[c.request_id]
+            n = len(c.token_ids)
+            req.num_computed_tokens += n
+            req.num_inflight_tokens += n
+            epochs[c.request_id] = req.kv_epoch
+            if c.sample:
+                req.num_placeholders += 1
+                if req.num_tokens % bs == 0:
+                    self._blocks_needed += 1  # the next token starts a new block
+        return epochs
 
     def _schedule_running(self, order: list[Request], plan: _Plan) -> None:
         """Give running requests their tokens; preempt from the tail when blocks run out."""
@@ -232,8 +267,9 @@ class Scheduler:
         for i, req in enumerate(order):
             if req.state is not running:
                 continue  # preempted earlier in this loop
-            computed = req.num_computed_tokens
-            n = min(len(req.prompt_token_ids) + len(req.output_token_ids) - computed, plan.budget)
+            if req.num_placeholders and req.finishes_when_outputs_land:
+                continue  # its last token is being sampled; nothing left to compute
+            n = min(req.num_tokens - req.num_computed_tokens, plan.budget)
             if n <= 0:
                 if plan.budget <= 0:
                     break
@@ -274,8 +310,7 @@ class Scheduler:
                 # Fast skip: once nobody may be preempted, walking on only looks for a
                 # candidate that fits the free blocks (often ~100 candidates deep).
                 c = q.num_computed_tokens
-                need = -(-(c + min(len(q.prompt_token_ids) + len(q.output_token_ids) - c,
-                                   plan.budget)) // bs)
+                need = -(-(c + min(q.num_tokens - c, plan.budget)) // bs)
                 if need > (room_rotary if q.state is RequestState.ROTARY else room_waiting):
                     continue
             if plan.budget <= 0:
@@ -362,7 +397,7 @@ class Scheduler:
     def _room(self, for_swap_in: bool) -> int:
         # A swap-in's H2D copy may not target blocks that a D2H copy of this very iteration
         # still reads; compute may (it writes after the transfers complete).
-        return self.bm.num_free_device if for_swap_in else self.bm.num_free_for_compute
+        return self.bm.num_free_for_swap_in if for_swap_in else self.bm.num_free_for_compute
 
     def _pick_victims(
         self,
@@ -395,9 +430,10 @@ class Scheduler:
             if cap is not None and moved and moved + out_cost > cap:
                 continue
             held = bm.num_device_blocks_of(v)
-            # Blocks a rotate-out copies stay busy until the copy ran: usable by compute
-            # this iteration, not by a swap-in.
-            room += held - out_cost if rotary and swaps else held
+            # Blocks a rotate-out copies stay busy until the copy ran: never usable by a
+            # swap-in this iteration, and by compute only in a serial step (see the top of
+            # block_manager.py).
+            room += held - out_cost if swaps and (rotary or not bm.same_iteration_reuse) else held
             moved += out_cost
             chosen.append(v)
         return chosen if need <= room and (chosen or not need_seat) else None
@@ -436,42 +472,99 @@ class Scheduler:
             req = requests[rid]
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             prompt, output = req.prompt_token_ids, req.output_token_ids
-            p = len(prompt)
+            p, known = len(prompt), len(prompt) + len(output)
             if start >= p:
                 ids = output[start - p : end - p]
             else:
                 ids = prompt[start:end] if end <= p else prompt[start:] + output[: end - p]
-            sample = end == p + len(output)
+            if end > known:  # the last token is being sampled in flight: the worker has it
+                if end > known + 1:
+                    raise RuntimeError(f"{rid}: planned past its one token in flight")
+                ids.append(PLACEHOLDER)
+            sample = end == req.num_tokens
             # A decode step computes the one token sampled last iteration; anything else
             # (prompt chunks, recompute after preemption) counts as prefill.
             if n == 1 and sample and start >= p:
                 decode += 1
             s = req.sampling
             # The live table (see ScheduledChunk); a running request holds every block.
-            chunks.append(ScheduledChunk(rid, ids, start, table(rid),
-                                         sample, s.temperature, s.top_p, s.top_k, s.seed,
-                                         len(output)))
+            chunks.append(ScheduledChunk(rid, ids, start, table(rid), sample, s.temperature,
+                                         s.top_p, s.top_k, s.seed,
+                                         len(output) + req.num_placeholders))
         return chunks, decode
 
     def update_from_output(self, out: SchedulerOutput, result: ExecuteResult) -> list[RequestEvent]:
+        """An iteration's batch ran: its KV is settled and its sampled tokens land."""
         now = self.clock()
         events: list[RequestEvent] = []
+        epochs = out.kv_epochs
         for chunk in out.chunks:
             req = self.requests.get(chunk.request_id)
-            if req is None or req.state is not RequestState.RUNNING:
-                continue  # aborted while the batch ran
-            req.num_computed_tokens += len(chunk.token_ids)
+            if req is None:
+                continue  # finished or aborted while the batch ran
+            if req.kv_epoch == epochs[chunk.request_id]:
+                req.num_inflight_tokens -= len(chunk.token_ids)
             if not chunk.sample:
                 continue
             tok = result.sampled[chunk.request_id]
-            req.append_token(tok, now)
-            if req.num_tokens % self.config.block_size == 0:
-                self._blocks_needed += 1  # the next token starts a new block
+            queue = self._queue_of(req)
+            if queue is not None:
+                # Preempted while its token was in flight: the new last-token time moves it
+                # in its queue's order.
+                queue.remove(req)
+                req.append_token(tok, now)
+                queue.append(req)
+            else:
+                req.append_token(tok, now)
             reason = req.check_stop()
             if reason is not None:
                 self._finish(req, reason, now)
             events.append(RequestEvent(req.request_id, [tok], reason))
+        self._landed(out)
         return events
+
+    def _landed(self, out: SchedulerOutput) -> None:
+        if self._in_flight.pop(out.iteration, None) is not None:
+            self.bm.end_execute(out.iteration)
+
+    @property
+    def in_flight(self) -> list[SchedulerOutput]:
+        """Planned iterations whose output has not landed, oldest first."""
+        return list(self._in_flight.values())
+
+    def abandon_in_flight(self) -> list[SchedulerOutput]:
+        """Every batch in flight is lost (a peer failed, and has stopped touching the pool):
+        roll them back, newest first. Returns them."""
+        lost = self.in_flight
+        for out in reversed(lost):
+            self.rollback(out)
+        return lost
+
+    def _queue_of(self, req: Request) -> RequestQueue | None:
+        """The waiting or rotary queue a request sits in (None: running)."""
+        if req.state is RequestState.ROTARY:
+            return self.rotary
+        if req.state is RequestState.WAITING:
+            return self.waiting
+        return None
+
+    def rollback(self, out: SchedulerOutput) -> None:
+        """The iteration's batch will never run (a peer failed): undo what schedule()
+        counted for it. Its samples were never published, so no client saw them."""
+        epochs, bs = out.kv_epochs, self.config.block_size
+        for chunk in reversed(out.chunks):
+            req = self.requests.get(chunk.request_id)
+            if req is None:
+                continue
+            if req.kv_epoch == epochs[chunk.request_id]:
+                n = len(chunk.token_ids)
+                req.num_inflight_tokens -= n
+                req.num_computed_tokens -= n
+            if chunk.sample and req.num_placeholders:
+                if req.num_tokens % bs == 0:
+                    self._blocks_needed -= 1
+                req.num_placeholders -= 1
+        self._landed(out)
 
     def check_integrity(self) -> None:
         self.bm.check_integrity(self.requests)
@@ -511,6 +604,7 @@ class Scheduler:
         """
         if self.bm.in_iteration():
             raise RuntimeError("kv_lost() runs between iterations; a transfer plan is open")
+        self.abandon_in_flight()  # their outputs will never come
         bad_dev = {d for _, d in failed.swap_in} if failed else set()
         bad_host = {h for _, h in failed.swap_out + failed.eager} if failed else set()
         if device or host:
@@ -544,6 +638,8 @@ class Scheduler:
         k = self.bm.keep_host_prefix(req)
         computed = req.num_computed_tokens
         req.num_computed_tokens = min(computed, k * self.config.block_size)
+        req.num_inflight_tokens = 0
+        req.kv_epoch += 1
         if k:
             req.set_state(RequestState.ROTARY, now)
             self.rotary.append(req)

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from common.contracts import ExecuteResult
 from scheduler_svc.policy import POLICY_NAMES, RotationLimits, make_policy
 from scheduler_svc.request import SLO, Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
@@ -155,9 +156,14 @@ def test_abort_returns_blocks() -> None:
     sched = Scheduler(SchedulerConfig(num_device_blocks=10, num_host_blocks=10, block_size=4),
                       make_policy("lvf"), clock=FakeClock())
     sched.add_request(Request("a", list(range(9)), SamplingParams(max_tokens=5), 0.0))
-    sched.schedule()
+    out = sched.schedule()
     assert sched.bm.num_free_device < 10
     assert sched.abort("a")
+    # At once for compute (the worker runs batches in order); for swap-ins, whose copies
+    # run beside the batch still in flight, once that batch is done.
+    assert sched.bm.num_free_for_compute == 10
+    sched.check_integrity()
+    sched.update_from_output(out, ExecuteResult(sampled={}))
     assert sched.bm.num_free_device == 10
     assert not sched.abort("a")
     sched.check_integrity()

@@ -268,6 +268,12 @@ def _submit(loop: ServingLoop, worker: FakeWorker, rid: str, prompt: list[int],
                                arrival_time=loop.scheduler.clock(), slo=SLO(0.05, 0.01)))
 
 
+async def _settled(loop: ServingLoop) -> None:
+    """Until no batch is in flight any more."""
+    while loop.scheduler.in_flight:
+        await asyncio.sleep(0.001)
+
+
 async def _drain(q: asyncio.Queue[StreamEvent]) -> list[StreamEvent]:
     events = [await q.get()]
     while not events[-1].finish_reason:
@@ -317,6 +323,9 @@ def test_loop_abort_stop_and_dropped_streams_end_cleanly() -> None:
         ea, eb = await _drain(qa), await _drain(qb)
         assert ea[-1].finish_reason == "stop" and eb[-1].finish_reason == "abort"
         assert not loop.scheduler.has_unfinished() and not loop.streams
+        # Free for compute at once; for swap-ins once the batch in flight is done.
+        assert loop.scheduler.bm.num_free_for_compute == 16
+        await asyncio.wait_for(_settled(loop), 10)
         assert loop.scheduler.bm.num_free_device == 16
         assert loop.scheduler.stats.aborted == 2
         task.cancel()
