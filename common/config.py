@@ -44,6 +44,9 @@ class EngineConfig:
     vlt_margin: float = 0.0
     hold_vlt: float | None = -0.5  # LVF stops skipping a new request once its VLT reaches this
     eager_budget_blocks: int = 32
+    # Plan and copy iteration t+1 while t executes (scheduler_svc/engine_core.py);
+    # False: the serial step, the baseline.
+    pipeline: bool = True
     ttft_slo: float = 5.0
     tbt_slo: float = 0.1
     trace: str | None = None  # write the iteration timeline here (Chrome/Perfetto JSON)
@@ -112,6 +115,9 @@ class EngineConfig:
                        help="LVF: a new request whose VLT reaches this is no longer skipped "
                             "when it does not fit (anti-starvation; 'none': always skip)")
         s.add_argument("--eager-budget-blocks", type=int, default=32)
+        s.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=True,
+                       help="plan and copy the next iteration while this one executes "
+                            "(--no-pipeline: the serial step, the baseline)")
         s.add_argument("--ttft-slo", type=float, default=5.0, help="default TTFT SLO, seconds")
         s.add_argument("--tbt-slo", type=float, default=0.1, help="default TBT SLO, seconds")
         o = p.add_argument_group("observability")

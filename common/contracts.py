@@ -62,7 +62,8 @@ class ScheduledChunk:
     start_pos: int  # position of token_ids[0] (= the request's num_computed_tokens)
     # Device blocks covering positions [0, start_pos + len). The block manager's own list,
     # not a copy (copying every table every iteration was a quarter of the simulator's
-    # time): read it before the next schedule(), copy it to keep it.
+    # time); it never changes in place (the block manager replaces a table when a request
+    # gains or loses blocks), so the batch may hold it while the next one is planned.
     block_table: list[int]
     sample: bool  # the chunk reaches the request's last token: sample the next one
     temperature: float = 1.0

@@ -10,7 +10,6 @@ time in two threads (torch copies release the GIL): the CPU form of DuplexKV's t
 from __future__ import annotations
 
 import argparse
-import asyncio
 import uuid
 
 import grpc
@@ -19,6 +18,7 @@ import structlog
 from common.config import EngineConfig
 from common.contracts import TransferPlan
 from common.daemon import Daemon, run_daemon
+from common.lane import ThreadLane
 from kvmem_svc.duplex import DuplexEngine, Mode, TransferConflict, TransferError
 from kvmem_svc.hostmem import HostMemory, allocate_host_pool
 from kvmem_svc.pool import DeviceMapping
@@ -38,7 +38,9 @@ class KVMemService(kvmem_pb2_grpc.KVMemServicer):
         self.host: HostMemory | None = None
         self.engine: DuplexEngine | None = None
         self.host_pool_id = ""  # new with each host pool: a new one means copies are gone
-        self._lock = asyncio.Lock()  # one batch at a time: batches are ordered by fences
+        # Attaching, copies and closing run on one thread, in arrival order; a cancelled
+        # RPC stops waiting but never lets the next job run beside its copies.
+        self._lane = ThreadLane("kv-copy")
         self.transfers = 0
         self.blocks_d2h = 0
         self.blocks_h2d = 0
@@ -49,12 +51,11 @@ class KVMemService(kvmem_pb2_grpc.KVMemServicer):
     async def AttachPool(
         self, request: worker_pb2.KVPoolHandle, context: grpc.aio.ServicerContext
     ) -> kvmem_pb2.AttachReply:
-        async with self._lock:
-            try:
-                host = await asyncio.to_thread(self._attach, request)
-            except (ValueError, OSError, RuntimeError, MemoryError) as e:
-                log.error("attach_failed", pool_id=request.pool_id, error=str(e))
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot map pool: {e}")
+        try:
+            host = await self._lane.run(self._attach, request)
+        except (ValueError, OSError, RuntimeError, MemoryError) as e:
+            log.error("attach_failed", pool_id=request.pool_id, error=str(e))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot map pool: {e}")
         return kvmem_pb2.AttachReply(host_blocks=host.num_blocks, pool_id=request.pool_id,
                                      host_pool_id=self.host_pool_id)
 
@@ -62,13 +63,13 @@ class KVMemService(kvmem_pb2_grpc.KVMemServicer):
         self, request: kvmem_pb2.TransferRequest, context: grpc.aio.ServicerContext
     ) -> kvmem_pb2.TransferReply:
         try:
-            async with self._lock:
-                return await self._transfer(request)
+            return await self._lane.run(self._transfer, request)
         except Refusal as r:
             await context.abort(r.code, r.message)
             raise  # not reached: abort raises
 
-    async def _transfer(self, request: kvmem_pb2.TransferRequest) -> kvmem_pb2.TransferReply:
+    def _transfer(self, request: kvmem_pb2.TransferRequest) -> kvmem_pb2.TransferReply:
+        """On the lane's thread: check the plan against the attached pool, copy."""
         dev, host = self.device, self.host
         if dev is None or host is None or request.pool_id != dev.pool_id:
             attached = dev.pool_id if dev else "none"
@@ -87,7 +88,7 @@ class KVMemService(kvmem_pb2_grpc.KVMemServicer):
         if engine is None:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, "no pool attached")
         try:
-            t = await asyncio.to_thread(engine.transfer, plan)
+            t = engine.transfer(plan)
         except TransferConflict as e:  # a plan whose copies would race: a scheduler bug
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except TransferError as e:
@@ -153,16 +154,19 @@ class KVMemService(kvmem_pb2_grpc.KVMemServicer):
         return self.host
 
     async def close(self) -> None:
-        async with self._lock:
-            if self.engine is not None:
-                self.engine.close()
-                self.engine = None
-            if self.device is not None:
-                self.device.close()
-                self.device = None
-            if self.host is not None:
-                self.host.close()
-                self.host = None
+        await self._lane.run(self._close)
+        self._lane.close()
+
+    def _close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        if self.device is not None:
+            self.device.close()
+            self.device = None
+        if self.host is not None:
+            self.host.close()
+            self.host = None
 
 
 class Refusal(Exception):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto import scheduler_pb2 as proto_dot_scheduler__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/worker.proto\x12\nsuperinfer\x1a\x15proto/scheduler.proto\"\xcb\x01\n\x05\x43hunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x11\n\tstart_pos\x18\x03 \x01(\x05\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\x05\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12\x13\n\x0btemperature\x18\x06 \x01(\x02\x12\r\n\x05top_p\x18\x07 \x01(\x02\x12\r\n\x05top_k\x18\x08 \x01(\x05\x12\x11\n\x04seed\x18\t \x01(\x03H\x00\x88\x01\x01\x12\x14\n\x0coutput_index\x18\n \x01(\x05\x42\x07\n\x05_seed\"W\n\x0e\x45xecuteRequest\x12\x11\n\titeration\x18\x01 \x01(\x03\x12!\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x11.superinfer.Chunk\x12\x0f\n\x07pool_id\x18\x03 \x01(\t\"I\n\x0c\x45xecuteReply\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x11\n\texecute_s\x18\x03 \x01(\x01\"\x0f\n\rKVPoolRequest\"\x9c\x01\n\x0cKVPoolHandle\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08shm_name\x18\x03 \x01(\t\x12\x17\n\x0f\x63uda_ipc_handle\x18\x04 \x01(\x0c\x12\x14\n\x0c\x64\x65vice_index\x18\x05 \x01(\x05\x12\r\n\x05shape\x18\x06 \x03(\x03\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06nbytes\x18\x08 \x01(\x03\x32\xd0\x01\n\x06Worker\x12?\n\x07\x45xecute\x12\x1a.superinfer.ExecuteRequest\x1a\x18.superinfer.ExecuteReply\x12@\n\tGetKVPool\x12\x19.superinfer.KVPoolRequest\x1a\x18.superinfer.KVPoolHandle\x12\x43\n\x0cGetModelInfo\x12\x1c.superinfer.ModelInfoRequest\x1a\x15.superinfer.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/worker.proto\x12\nsuperinfer\x1a\x15proto/scheduler.proto\"\xcb\x01\n\x05\x43hunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x11\n\tstart_pos\x18\x03 \x01(\x05\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\x05\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12\x13\n\x0btemperature\x18\x06 \x01(\x02\x12\r\n\x05top_p\x18\x07 \x01(\x02\x12\r\n\x05top_k\x18\x08 \x01(\x05\x12\x11\n\x04seed\x18\t \x01(\x03H\x00\x88\x01\x01\x12\x14\n\x0coutput_index\x18\n \x01(\x05\x42\x07\n\x05_seed\"p\n\x0e\x45xecuteRequest\x12\x11\n\titeration\x18\x01 \x01(\x03\x12!\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x11.superinfer.Chunk\x12\x0f\n\x07pool_id\x18\x03 \x01(\t\x12\x17\n\x0f\x61\x66ter_iteration\x18\x04 \x01(\x03\"I\n\x0c\x45xecuteReply\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x11\n\texecute_s\x18\x03 \x01(\x01\"\x0f\n\rKVPoolRequest\"\x9c\x01\n\x0cKVPoolHandle\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08shm_name\x18\x03 \x01(\t\x12\x17\n\x0f\x63uda_ipc_handle\x18\x04 \x01(\x0c\x12\x14\n\x0c\x64\x65vice_index\x18\x05 \x01(\x05\x12\r\n\x05shape\x18\x06 \x03(\x03\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06nbytes\x18\x08 \x01(\x03\x32\xd0\x01\n\x06Worker\x12?\n\x07\x45xecute\x12\x1a.superinfer.ExecuteRequest\x1a\x18.superinfer.ExecuteReply\x12@\n\tGetKVPool\x12\x19.superinfer.KVPoolRequest\x1a\x18.superinfer.KVPoolHandle\x12\x43\n\x0cGetModelInfo\x12\x1c.superinfer.ModelInfoRequest\x1a\x15.superinfer.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,13 +35,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHUNK']._serialized_start=58
   _globals['_CHUNK']._serialized_end=261
   _globals['_EXECUTEREQUEST']._serialized_start=263
-  _globals['_EXECUTEREQUEST']._serialized_end=350
-  _globals['_EXECUTEREPLY']._serialized_start=352
-  _globals['_EXECUTEREPLY']._serialized_end=425
-  _globals['_KVPOOLREQUEST']._serialized_start=427
-  _globals['_KVPOOLREQUEST']._serialized_end=442
-  _globals['_KVPOOLHANDLE']._serialized_start=445
-  _globals['_KVPOOLHANDLE']._serialized_end=601
-  _globals['_WORKER']._serialized_start=604
-  _globals['_WORKER']._serialized_end=812
+  _globals['_EXECUTEREQUEST']._serialized_end=375
+  _globals['_EXECUTEREPLY']._serialized_start=377
+  _globals['_EXECUTEREPLY']._serialized_end=450
+  _globals['_KVPOOLREQUEST']._serialized_start=452
+  _globals['_KVPOOLREQUEST']._serialized_end=467
+  _globals['_KVPOOLHANDLE']._serialized_start=470
+  _globals['_KVPOOLHANDLE']._serialized_end=626
+  _globals['_WORKER']._serialized_start=629
+  _globals['_WORKER']._serialized_end=837
 # @@protoc_insertion_point(module_scope)

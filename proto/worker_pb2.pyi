@@ -32,14 +32,16 @@ class Chunk(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., output_index: _Optional[int] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("iteration", "chunks", "pool_id")
+    __slots__ = ("iteration", "chunks", "pool_id", "after_iteration")
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_ITERATION_FIELD_NUMBER: _ClassVar[int]
     iteration: int
     chunks: _containers.RepeatedCompositeFieldContainer[Chunk]
     pool_id: str
-    def __init__(self, iteration: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., pool_id: _Optional[str] = ...) -> None: ...
+    after_iteration: int
+    def __init__(self, iteration: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., pool_id: _Optional[str] = ..., after_iteration: _Optional[int] = ...) -> None: ...
 
 class ExecuteReply(_message.Message):
     __slots__ = ("request_ids", "token_ids", "execute_s")

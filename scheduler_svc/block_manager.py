@@ -69,7 +69,12 @@ class BlockAllocator:
 
 @dataclass(slots=True)
 class BlockTable:
-    """Per request: device block and host copy of every logical block (None = absent)."""
+    """Per request: device block and host copy of every logical block (None = absent).
+
+    `device` is never changed in place, only replaced: a batch holds its requests' device
+    tables (ScheduledChunk.block_table) while the next iteration is planned, and must see
+    them as they were when it was planned.
+    """
 
     device: list[int | None] = field(default_factory=list)
     host: list[int | None] = field(default_factory=list)
@@ -252,7 +257,7 @@ class BlockManager:
             new.append(opened.pop())
         # Compute-only blocks last: the worker writes them after the batch in flight.
         new += self._take_held(n - len(new))
-        t.device.extend(new)
+        t.device = [*t.device, *new]  # a new list: see BlockTable
         t.host.extend([None] * n)
 
     def try_grow(self, req: Request, num_new_tokens: int) -> bool:
@@ -292,7 +297,8 @@ class BlockManager:
         keep = self.blocks_for(req.num_computed_tokens)
         extra_dev = [b for b in t.device[keep:] if b is not None]
         extra_host = [b for b in t.host[keep:] if b is not None]
-        del t.device[keep:], t.host[keep:]
+        t.device = t.device[:keep]
+        del t.host[keep:]
         self._release_device(extra_dev)
         self.host.free(extra_host)
 
@@ -334,7 +340,7 @@ class BlockManager:
             else:
                 self._release_device([d])
                 freed += 1
-            t.device[i] = None
+        t.device = [None] * len(t.device)
         return copied, freed
 
     @property
@@ -360,12 +366,12 @@ class BlockManager:
             if h is None:
                 raise RuntimeError(f"request {req.request_id}: block {i} has no host copy")
             (plan.swap_in if i < free else plan.late_swap_in).append((h, d))
-            t.device[i] = d
             if i >= synced:
                 # The dirty last block will change: its host copy is stale from now on,
                 # and reusable once this copy has read it.
                 self._pending_host.setdefault(plan.fence, []).append(h)
                 t.host[i] = None
+        t.device = list(devs)
         return len(devs)
 
     # -- eager rotation ------------------------------------------------------------------------
@@ -379,9 +385,10 @@ class BlockManager:
         n, bs, tables = 0, self.block_size, self._tables
         for req in running:
             t = tables.get(req.request_id)
-            if t is None or t.eager_next >= req.num_computed_tokens // bs:
+            synced = req.num_settled_tokens // bs  # no batch in flight writes these
+            if t is None or t.eager_next >= synced:
                 continue  # nothing newly synced (most requests, most iterations)
-            synced = min(req.num_computed_tokens // bs, len(t))
+            synced = min(synced, len(t))
             for i in range(t.eager_next, synced):
                 if n >= budget or self.host.num_free <= host_reserve:
                     return n
@@ -490,8 +497,8 @@ class BlockManager:
             k += 1
         self.device.free([d for d in t.device if d is not None])
         self.host.free([h for h in t.host[k:] if h is not None])
-        del t.device[k:], t.host[k:]
-        t.device[:] = [None] * k
+        del t.host[k:]
+        t.device = [None] * k
         t.eager_next = min(t.eager_next, k)
         if k == 0:
             del self._tables[req.request_id]

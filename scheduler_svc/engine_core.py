@@ -6,19 +6,35 @@ simulated clock) each inject an `Executor` and a `TransferEngine` and call it; w
 add around it is their own: publishing tokens to streams and recovering from a lost peer,
 stop strings, arrivals and metrics.
 
-The step keeps the DuplexKV contract (DESIGN §3): a plan's fence is released only once its
+Two shapes of the step (`pipeline`):
+
+* serial (`--no-pipeline`, the baseline): plan t, copy its blocks, run its batch, apply
+  its output. The worker idles while the scheduler plans and kvmem copies.
+* pipelined (the default; DuplexKV's cross-iteration pipeline, DESIGN §5): while batch t
+  runs, plan t+1 against the state t will leave (`scheduler.schedule()` counts t's chunks
+  as computed and its samples as placeholders), copy t+1's swap-ins into free blocks and
+  its eager copies, and send batch t+1 so that it queues behind t on the worker, which fills
+  each placeholder with its own sample from t (`worker/batches.py`). Then t's output lands.
+  Rotate-outs of t+1 (t writes their last block) and swap-ins into blocks t may still
+  read are copied after t; batch t+1 waits for them only when it reads such a swap-in.
+  Those after-batch copies run beside batch t+1 and are awaited before planning t+2, so
+  planning never hands out a block a copy still touches.
+
+Fences (DESIGN §3) hold across the overlap: a plan's fence is released once all of its
 copies are done — or failed, in which case nothing copies any more and the caller's
-recovery treats the plan's writes as lost — and the batch runs only after its swap-ins
-have landed.
+recovery treats the plan's writes as lost — and a batch runs only after the swap-ins it
+reads have landed. Blocks released while a batch is in flight wait for it
+(`BlockManager.begin_execute`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from common.contracts import ExecuteResult, TransferResult
+from common.contracts import ExecuteResult, TransferPlan, TransferResult
 from scheduler_svc.interfaces import Executor, SchedulerOutput, TransferEngine
 from scheduler_svc.scheduler import RequestEvent, Scheduler
 from scheduler_svc.trace import Trace, scheduler_load
@@ -28,8 +44,9 @@ from scheduler_svc.trace import Trace, scheduler_load
 class EngineStats:
     """What the steps cost, cumulative (the names /metrics and `generate --json` show)."""
 
-    transfers: int = 0
+    transfers: int = 0  # transfer calls (a pipelined iteration may make two)
     transfer_s: float = 0.0  # wall time of transfer calls (RPC included in the service)
+    transfer_wait_s: float = 0.0  # time the step itself waited on transfers
     transfer_wait_max_s: float = 0.0  # the longest one iteration waited on its transfers
     kvmem_d2h_s: float = 0.0  # the transfer engine's own busy time per direction
     kvmem_h2d_s: float = 0.0
@@ -37,7 +54,8 @@ class EngineStats:
     bytes_h2d: int = 0
     executes: int = 0
     execute_s: float = 0.0  # the executor's compute time
-    execute_rpc_s: float = 0.0  # wall time of execute calls (RPC included in the service)
+    execute_rpc_s: float = 0.0  # wall time of execute calls (RPC and queueing included)
+    execute_wait_s: float = 0.0  # time the step waited for a batch's output
 
     def as_dict(self) -> dict[str, float]:
         return {f.name: float(getattr(self, f.name)) for f in fields(self)}
@@ -45,15 +63,30 @@ class EngineStats:
 
 @dataclass(slots=True)
 class StepResult:
-    out: SchedulerOutput
-    events: list[RequestEvent]
+    out: SchedulerOutput  # the iteration this step planned
+    events: list[RequestEvent]  # tokens that landed (pipelined: the batch before `out`'s)
     transfer: TransferResult | None = None
     execute: ExecuteResult | None = None
+    in_flight: bool = False  # a batch or copies are still running after the step
 
     @property
     def busy(self) -> bool:
         """False when the iteration had nothing to run or move (every request blocked)."""
-        return bool(self.out.chunks or self.out.transfers)
+        return bool(self.out.chunks or self.out.transfers or self.events or self.in_flight)
+
+
+@dataclass(slots=True)
+class _Batch:
+    out: SchedulerOutput
+    task: asyncio.Task[ExecuteResult]
+    launched: float  # timer()
+
+
+@dataclass(slots=True)
+class _Copies:
+    plan: TransferPlan
+    task: asyncio.Task[TransferResult]
+    started: float  # scheduler clock
 
 
 class EngineCore:
@@ -70,54 +103,223 @@ class EngineCore:
         transfers: TransferEngine,
         trace: Trace | None = None,
         timer: Callable[[], float] = time.perf_counter,
+        pipeline: bool = False,
     ) -> None:
+        if pipeline and not scheduler.config.pipelined:
+            raise ValueError("a pipelined step needs a scheduler built with pipelined=True")
         self.scheduler = scheduler
         self.executor = executor
         self.transfers = transfers
         self.trace = trace
         self.timer = timer
+        self.pipeline = pipeline
         self.stats = EngineStats()
+        self._batch: _Batch | None = None  # pipelined: the batch in flight
+        self._after: _Copies | None = None  # pipelined: after-batch copies in flight
+        # Plans some of whose copies may not have happened: a step failed while they ran,
+        # or before they could start. Recovery treats their writes as lost.
+        self._unsure: list[TransferPlan] = []
+
+    def take_unsure(self) -> list[TransferPlan]:
+        """The plans whose copies a failed step left in doubt (and forget them)."""
+        out, self._unsure = self._unsure, []
+        return out
 
     async def step(self) -> StepResult:
-        sched, st, timer = self.scheduler, self.stats, self.timer
+        if not self.pipeline:
+            return await self._serial_step()
+        try:
+            return await self._pipelined_step()
+        except BaseException:
+            await self._stop_tasks()
+            raise
+
+    @property
+    def idle(self) -> bool:
+        """No batch and no copies in flight."""
+        return self._batch is None and self._after is None
+
+    # -- serial -------------------------------------------------------------------------------
+    async def _serial_step(self) -> StepResult:
+        sched = self.scheduler
         start = sched.clock()
         out = sched.schedule()
         plan = out.transfers
         moved: TransferResult | None = None
-        xfer_span: tuple[float, float] | None = None
+        span: tuple[float, float] | None = None
         if plan is not None:
-            t_start, t0 = sched.clock(), timer()
+            t_start, t0 = sched.clock(), self.timer()
             try:
-                moved = await self.transfers.transfer(plan)
+                moved = await self._copy(plan)
+            except BaseException:
+                self._unsure.append(plan)
+                raise
             finally:
                 # Released even on failure: nothing copies any more (a peer is gone, or
                 # refused the batch), and recovery treats the batch's writes as lost.
                 sched.complete_transfer(plan.fence)
-            waited = timer() - t0
-            xfer_span = (t_start, waited)
-            st.transfers += 1
-            st.transfer_s += waited
-            st.transfer_wait_max_s = max(st.transfer_wait_max_s, waited)
-            st.kvmem_d2h_s += moved.d2h_s
-            st.kvmem_h2d_s += moved.h2d_s
-            st.bytes_d2h += moved.bytes_d2h
-            st.bytes_h2d += moved.bytes_h2d
+            span = (t_start, self._waited(t0))
         result: ExecuteResult | None = None
-        exec_span: tuple[float, float] | None = None
         if out.chunks:
-            t_start, t0 = sched.clock(), timer()
+            t0 = self.timer()
             result = await self.executor.execute(out.iteration, out.chunks)
-            called = timer() - t0
-            exec_span = (t_start, called)
-            st.executes += 1
-            st.execute_s += result.execute_s
-            st.execute_rpc_s += called
+            self._executed(result, self.timer() - t0, self.timer() - t0)
         events = sched.update_from_output(out, result or ExecuteResult(sampled={}))
-        if self.trace is not None:
-            self.trace.iteration(
-                out, start, transfer=xfer_span,
-                d2h_s=moved.d2h_s if moved else 0.0, h2d_s=moved.h2d_s if moved else 0.0,
-                execute=exec_span, execute_s=result.execute_s if result else None,
-                load=scheduler_load(sched),
-            )
+        self._trace(out, start, span, moved, result)
         return StepResult(out, events, moved, result)
+
+    # -- pipelined ----------------------------------------------------------------------------
+    async def _pipelined_step(self) -> StepResult:
+        sched = self.scheduler
+        await self._finish_after()  # planning must not hand out blocks those copies touch
+        start = sched.clock()
+        out = sched.schedule()
+        plan = out.transfers
+        if plan is None:
+            return await self._pipelined_rest(out, start, None, None, None)
+        late = plan.after_batch()
+        try:
+            moved: TransferResult | None = None
+            span: tuple[float, float] | None = None
+            beside = plan.beside_batch()
+            if beside:
+                t_start, t0 = sched.clock(), self.timer()
+                moved = await self._copy(beside)
+                span = (t_start, self._waited(t0))
+            if not late:
+                sched.complete_transfer(plan.fence)
+        except BaseException:
+            self._unsure.append(plan)
+            sched.complete_transfer(plan.fence)
+            raise
+        return await self._pipelined_rest(out, start, late or None, moved, span)
+
+    async def _pipelined_rest(self, out: SchedulerOutput, start: float,
+                              late: TransferPlan | None, moved: TransferResult | None,
+                              span: tuple[float, float] | None) -> StepResult:
+        """Launch batch t+1, take batch t's output, start t+1's after-batch copies."""
+        sched = self.scheduler
+        prev = self._batch
+        after = prev.out.iteration if prev is not None else 0
+        # Batch t+1 queues behind t on the worker at once, unless it reads blocks that only
+        # the after-batch swap-ins fill.
+        wait_for_copies = late is not None and bool(late.swap_in)
+        self._batch = self._launch(out, after) if out.chunks and not wait_for_copies else None
+        events: list[RequestEvent] = []
+        result: ExecuteResult | None = None
+        try:
+            if prev is not None:
+                t0 = self.timer()
+                result = await prev.task
+                self._executed(result, self.timer() - prev.launched, self.timer() - t0)
+                events = sched.update_from_output(prev.out, result)
+        except BaseException:
+            if late is not None and out.transfers is not None:
+                # Its after-batch copies never start.
+                self._unsure.append(out.transfers)
+                sched.complete_transfer(out.transfers.fence)
+            raise
+        if late is not None and out.transfers is not None:
+            task = asyncio.create_task(self._copy(late))
+            self._after = _Copies(out.transfers, task, sched.clock())
+            if wait_for_copies and out.chunks:
+                await self._finish_after()  # batch t+1 reads those blocks
+                self._batch = self._launch(out, after)
+        self._trace(out, start, span, moved, result)
+        return StepResult(out, events, moved, result, in_flight=not self.idle)
+
+    def _launch(self, out: SchedulerOutput, after: int) -> _Batch:
+        task = asyncio.create_task(self.executor.execute(out.iteration, out.chunks, after))
+        return _Batch(out, task, self.timer())
+
+    async def _finish_after(self) -> None:
+        copies = self._after
+        if copies is None:
+            return
+        t0 = self.timer()
+        try:
+            moved = await copies.task
+        except BaseException:
+            self._unsure.append(copies.plan)
+            raise
+        finally:
+            self._after = None
+            self.scheduler.complete_transfer(copies.plan.fence)
+        self._waited(t0)
+        if self.trace is not None:
+            self._trace_copies(copies.plan.after_batch(), copies.started, moved)
+
+    async def _stop_tasks(self) -> None:
+        """A step failed: stop waiting for what this core started (the work itself may go
+        on at a peer; recovery waits for the peers) and release the open fences."""
+        batch, copies = self._batch, self._after
+        self._batch = self._after = None
+        for job in (batch.task if batch else None, copies.task if copies else None):
+            if job is not None and not job.done():
+                job.cancel()
+            if job is not None:
+                await asyncio.gather(job, return_exceptions=True)
+        if copies is not None:
+            self._unsure.append(copies.plan)
+            self.scheduler.complete_transfer(copies.plan.fence)
+
+    async def drain(self) -> list[RequestEvent]:
+        """Let the batch and copies in flight finish; return the tokens that landed."""
+        events: list[RequestEvent] = []
+        try:
+            if self._batch is not None:
+                batch, self._batch = self._batch, None
+                t0 = self.timer()
+                result = await batch.task
+                self._executed(result, self.timer() - batch.launched, self.timer() - t0)
+                events = self.scheduler.update_from_output(batch.out, result)
+            await self._finish_after()
+        except BaseException:
+            await self._stop_tasks()
+            raise
+        return events
+
+    # -- accounting ---------------------------------------------------------------------------
+    async def _copy(self, plan: TransferPlan) -> TransferResult:
+        t0 = self.timer()
+        moved = await self.transfers.transfer(plan)
+        st = self.stats
+        st.transfers += 1
+        st.transfer_s += self.timer() - t0
+        st.kvmem_d2h_s += moved.d2h_s
+        st.kvmem_h2d_s += moved.h2d_s
+        st.bytes_d2h += moved.bytes_d2h
+        st.bytes_h2d += moved.bytes_h2d
+        return moved
+
+    def _waited(self, since: float) -> float:
+        """The step waited on transfers from `since` (timer) until now; returns how long."""
+        seconds = self.timer() - since
+        self.stats.transfer_wait_s += seconds
+        self.stats.transfer_wait_max_s = max(self.stats.transfer_wait_max_s, seconds)
+        return seconds
+
+    def _executed(self, result: ExecuteResult, call_s: float, waited_s: float) -> None:
+        st = self.stats
+        st.executes += 1
+        st.execute_s += result.execute_s
+        st.execute_rpc_s += call_s
+        st.execute_wait_s += waited_s
+
+    def _trace(self, out: SchedulerOutput, start: float, span: tuple[float, float] | None,
+               moved: TransferResult | None, result: ExecuteResult | None) -> None:
+        if self.trace is None:
+            return
+        # The worker's compute, drawn where it ended (the batch's output just landed).
+        now = self.scheduler.clock()
+        execute = (now - result.execute_s, result.execute_s) if result is not None else None
+        self.trace.iteration(
+            out, start, transfer=span,
+            d2h_s=moved.d2h_s if moved else 0.0, h2d_s=moved.h2d_s if moved else 0.0,
+            execute=execute, execute_s=result.execute_s if result else None,
+            load=scheduler_load(self.scheduler),
+        )
+
+    def _trace_copies(self, plan: TransferPlan, start: float, moved: TransferResult) -> None:
+        assert self.trace is not None
+        self.trace.copies(plan, start, moved.total_s, moved.d2h_s, moved.h2d_s)

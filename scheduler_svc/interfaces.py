@@ -40,8 +40,13 @@ class SchedulerOutput:
 
 
 class Executor(Protocol):
-    async def execute(self, iteration: int, chunks: list[ScheduledChunk]) -> ExecuteResult:
-        """Run the batch (writes its KV into the device pool); return the sampled tokens."""
+    async def execute(
+        self, iteration: int, chunks: list[ScheduledChunk], after: int = 0
+    ) -> ExecuteResult:
+        """Run the batch (writes its KV into the device pool); return the sampled tokens.
+
+        `after`: the batch it follows (0: none). It runs after that one, and a chunk whose
+        last token is PLACEHOLDER takes the token that batch sampled for its request."""
         ...
 
 

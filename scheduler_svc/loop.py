@@ -75,7 +75,7 @@ class LoopStats:
 @dataclass(slots=True)
 class _Outage:
     since: float  # monotonic time of the first failed iteration
-    failed_plan: TransferPlan | None  # a transfer batch whose copies may not have happened
+    failed: list[TransferPlan]  # transfer batches whose copies may not have happened
     # Batches that read the device pool after the last batch the worker computed: if the
     # worker turns out to have restarted, they may have copied a dead pool to the host.
     unconfirmed: list[TransferPlan]
@@ -101,14 +101,15 @@ class ServingLoop:
         self.peer_timeout_s = peer_timeout_s  # how long a peer may take to come back
         self.stats = LoopStats()
         self.trace = trace  # --trace: the iteration timeline (scheduler_svc/trace.py)
-        self.core = EngineCore(scheduler, _WorkerLane(self), _KVMemLane(self), trace)
+        self.core = EngineCore(scheduler, _WorkerLane(self), _KVMemLane(self), trace,
+                               pipeline=scheduler.config.pipelined)
         self.streams: dict[str, asyncio.Queue[StreamEvent]] = {}
         self.draining = False  # shutting down: no new requests
         self._work = asyncio.Event()
         self._outage: _Outage | None = None  # an iteration failed: recover before the next
-        self._in_flight: TransferPlan | None = None  # the batch kvmem is copying
         self._unconfirmed: list[TransferPlan] = []  # see _Outage.unconfirmed
-        self._attempts = 0  # failed iterations since the last one that succeeded
+        self._attempts = 0  # failed iterations since a batch last ran
+        self._landed = False  # the last step's batch output landed
 
     # -- requests in and out (called by the gRPC handlers) ---------------------------------
     def knows(self, request_id: str) -> bool:
@@ -141,8 +142,19 @@ class ServingLoop:
     # -- the loop -----------------------------------------------------------------------------
     async def run(self) -> None:
         while True:
+            if not self.scheduler.has_unfinished() and not self.core.idle:
+                # Nothing left to plan, but a batch (say, an extra token for requests that
+                # just finished) or copies are still in flight: let them land, so that
+                # their blocks come back.
+                try:
+                    self._publish(await self.core.drain())
+                except Exception as e:
+                    self._on_failure(e)
+                    await asyncio.sleep(RETRY_S)
+                continue
             if not self.scheduler.has_unfinished():
                 self._outage = None  # nothing left to resume (all finished or aborted)
+                self.scheduler.abandon_in_flight()  # a failed drain: no request needs them
                 if self.trace is not None:
                     self.trace.flush()  # idle: let the timeline so far reach the file
                 self._work.clear()
@@ -159,7 +171,8 @@ class ServingLoop:
                 self._on_failure(e)
                 await asyncio.sleep(RETRY_S)
                 continue
-            self._attempts = 0
+            if self._landed:
+                self._attempts = 0  # a batch ran: the failures (if any) did not repeat
             if not busy:
                 await asyncio.sleep(IDLE_POLL_S)
 
@@ -181,6 +194,8 @@ class ServingLoop:
         """One iteration; False when it had nothing to do (every request blocked)."""
         sched = self.scheduler
         res = await self.core.step()
+        # A pipelined step returns before its batch ran: only a landed batch is progress.
+        self._landed = res.execute is not None or not res.out.chunks
         out, plan = res.out, res.out.transfers
         self._publish(res.events)
         log.debug(
@@ -248,15 +263,15 @@ class ServingLoop:
             what = f"{error.code().name}: {error.details()}"
         else:
             what = f"{type(error).__name__}: {error}"
-        plan, self._in_flight = self._in_flight, None
+        failed = self.core.take_unsure()
         outage = self._outage
         if outage is None:
-            outage = self._outage = _Outage(time.monotonic(), plan, self._unconfirmed, what)
+            outage = self._outage = _Outage(time.monotonic(), failed, self._unconfirmed, what)
             self._unconfirmed = []
             log.warning("iteration_failed", error=what, live_requests=len(self.scheduler.requests),
-                        failed_transfer=plan.fence if plan else None)
-        elif plan is not None:  # cannot happen (a plan fails only in step); be safe
-            outage.failed_plan = plan
+                        failed_transfers=[p.fence for p in failed])
+        else:  # cannot happen (plans fail only in a step); be safe
+            outage.failed += failed
         waited = time.monotonic() - outage.since
         if waited > self.peer_timeout_s:
             self._fail_all(f"the worker or kvmem has not been serving for {waited:.0f} s "
@@ -294,7 +309,7 @@ class ServingLoop:
             )
         device = handle.pool_id != self.pool_id
         host = reply.host_pool_id != self.host_pool_id
-        suspect = [p for p in [outage.failed_plan] if p is not None]
+        suspect = list(outage.failed)
         if device:
             suspect += outage.unconfirmed
         rec = None
@@ -318,7 +333,7 @@ class ServingLoop:
             st.resumed_recompute += len(rec.recompute)
         log.warning("recovered", outage_s=round(st.last_outage_s, 3), error=outage.error,
                     device_pool_lost=device, host_pool_lost=host,
-                    failed_transfer=outage.failed_plan.fence if outage.failed_plan else None,
+                    failed_transfers=[p.fence for p in outage.failed],
                     pool_id=self.pool_id, **(rec.as_dict() if rec else {}))
 
     def _fail_all(self, why: str) -> None:
@@ -346,7 +361,7 @@ def _merged(plans: list[TransferPlan]) -> TransferPlan | None:
     return TransferPlan(
         fence=plans[-1].fence,
         swap_out=[pair for p in plans for pair in p.swap_out],
-        swap_in=[pair for p in plans for pair in p.swap_in],
+        swap_in=[pair for p in plans for pair in p.swap_in + p.late_swap_in],
         eager=[pair for p in plans for pair in p.eager],
     )
 
@@ -357,26 +372,29 @@ class _WorkerLane:
     def __init__(self, loop: ServingLoop) -> None:
         self.loop = loop
 
-    async def execute(self, iteration: int, chunks: list[ScheduledChunk]) -> ExecuteResult:
+    async def execute(
+        self, iteration: int, chunks: list[ScheduledChunk], after: int = 0
+    ) -> ExecuteResult:
         loop = self.loop
-        result = await loop.worker.execute(iteration, chunks, loop.pool_id)
-        # The pool (this pool id: this worker process) lived through those copies.
-        loop._unconfirmed.clear()
+        before = list(loop._unconfirmed)
+        result = await loop.worker.execute(iteration, chunks, loop.pool_id, after)
+        # The pool (this pool id: this worker process) lived through the copies that were
+        # done before this batch was sent; later ones wait for the next batch.
+        loop._unconfirmed = [p for p in loop._unconfirmed if p not in before]
         return result
 
 
 class _KVMemLane:
-    """kvmem as the core's TransferEngine, remembering what recovery must know: the batch
-    in flight, and the batches that read the device pool since the worker last computed."""
+    """kvmem as the core's TransferEngine, remembering what recovery must know: the batches
+    that read the device pool since the worker last computed (the core itself keeps the
+    batches a failed step left in doubt)."""
 
     def __init__(self, loop: ServingLoop) -> None:
         self.loop = loop
 
     async def transfer(self, plan: TransferPlan) -> TransferResult:
         loop = self.loop
-        loop._in_flight = plan
         reply = await loop.kvmem.transfer(plan, loop.pool_id)
-        loop._in_flight = None
         if plan.swap_out or plan.eager:
             loop._unconfirmed.append(plan)
         return TransferResult(reply.d2h_s, reply.h2d_s, reply.total_s, reply.bytes_d2h,

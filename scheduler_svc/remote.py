@@ -70,10 +70,11 @@ class RemoteWorker:
         return await self.stub.GetKVPool(worker_pb2.KVPoolRequest(), timeout=INFO_TIMEOUT_S)
 
     async def execute(
-        self, iteration: int, chunks: list[ScheduledChunk], pool_id: str
+        self, iteration: int, chunks: list[ScheduledChunk], pool_id: str, after: int = 0
     ) -> ExecuteResult:
         request = worker_pb2.ExecuteRequest(
-            iteration=iteration, chunks=[chunk_to_proto(c) for c in chunks], pool_id=pool_id
+            iteration=iteration, chunks=[chunk_to_proto(c) for c in chunks], pool_id=pool_id,
+            after_iteration=after,
         )
         return result_from_proto(await self.stub.Execute(request, timeout=self.rpc_timeout_s))
 

@@ -185,7 +185,8 @@ class Request:
             return FinishReason.STOP
         if len(self.output_token_ids) >= self.sampling.max_tokens:
             return FinishReason.LENGTH
-        if self.num_tokens >= self.max_model_len:
+        # Known tokens only: one still being sampled (a placeholder) has not landed.
+        if len(self.prompt_token_ids) + len(self.output_token_ids) >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

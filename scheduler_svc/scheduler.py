@@ -605,7 +605,7 @@ class Scheduler:
         if self.bm.in_iteration():
             raise RuntimeError("kv_lost() runs between iterations; a transfer plan is open")
         self.abandon_in_flight()  # their outputs will never come
-        bad_dev = {d for _, d in failed.swap_in} if failed else set()
+        bad_dev = {d for _, d in failed.swap_in + failed.late_swap_in} if failed else set()
         bad_host = {h for _, h in failed.swap_out + failed.eager} if failed else set()
         if device or host:
             self.bm.drop_fences()

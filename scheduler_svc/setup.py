@@ -45,6 +45,7 @@ def scheduler_config(
         max_num_seqs=cfg.max_num_seqs,
         max_model_len=min(cfg.max_model_len or model_max_len, model_max_len),
         eager_budget_blocks=cfg.eager_budget_blocks,
+        pipelined=cfg.pipeline,
     )
 
 

@@ -9,7 +9,9 @@ Open the file in https://ui.perfetto.dev or chrome://tracing. One process, track
   iteration's transfer: both lanes start together in duplex mode; in the one-direction
   modes the H2D lane really starts after D2H, so there the spans overlap more than the
   copies did). A `transfer wait` span on the same row spans the whole wait, RPC included;
-* `execute` — the worker's forward pass (and, in the services, the RPC around it);
+* `execute` — the worker's forward pass (its compute time, drawn where its output landed;
+  the span's `compute_s` argument), one batch after another; with the pipelined step the
+  schedule and transfer spans of the next iteration overlap it;
 * counters: running / waiting / rotary requests and free device / host blocks;
 * one async track per request: its waiting / running / rotary intervals, written when the
   request finishes (so a request still live when the trace closes is not in it).
@@ -28,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from common.contracts import TransferPlan
 from scheduler_svc.interfaces import SchedulerOutput
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler
@@ -123,6 +126,16 @@ class Trace:
             self.span("execute", "execute", t, dur, args)
         if load:
             self.counters(start, **load)
+
+    def copies(self, plan: TransferPlan, start: float, dur_s: float, d2h_s: float,
+               h2d_s: float) -> None:
+        """Copies that ran beside a batch (the pipelined step's after-batch copies)."""
+        self.span("transfer D2H", "after-batch copies", start, dur_s, {"fence": plan.fence})
+        if d2h_s > 0:
+            self.span("transfer D2H", "D2H", start, d2h_s,
+                      {"swap_out_blocks": len(plan.swap_out)})
+        if h2d_s > 0:
+            self.span("transfer H2D", "H2D", start, h2d_s, {"swap_in_blocks": len(plan.swap_in)})
 
     def request_done(self, req: Request, now: float) -> None:
         """The request's state intervals as async spans on its own track."""

@@ -18,6 +18,7 @@ from common.config import EngineConfig
 from common.contracts import ExecuteResult, KVShape, ScheduledChunk, TransferPlan, TransferResult
 from common.dtypes import DTYPES
 from common.errors import ContextLengthError, InvalidRequestError
+from common.lane import ThreadLane
 from common.modelfile import ModelSource, resolve_model
 from common.output import OutputTracker
 from common.tokenizer import Tokenizer
@@ -27,6 +28,7 @@ from scheduler_svc.request import SLO, FinishReason, Request, SamplingParams
 from scheduler_svc.scheduler import RequestEvent
 from scheduler_svc.setup import build_scheduler, default_slo
 from scheduler_svc.trace import Trace
+from worker.batches import BatchRunner
 from worker.loader import load_weights
 from worker.model import LlamaModel
 from worker.runner import ModelRunner, kv_block_bytes
@@ -73,8 +75,11 @@ class LLMEngine:
         self._ids = itertools.count()
         self.trace = Trace(config.trace, "superinfer generate") if config.trace else None
         self._traced_finished = 0  # finished_log entries already in the trace
-        self.core = EngineCore(self.scheduler, _LocalExecutor(self.runner),
-                               _LocalTransfers(self.copier), self.trace)
+        self.batches = BatchRunner(self.runner.execute)
+        self.copy_lane = ThreadLane("kv-copy")
+        self.core = EngineCore(self.scheduler, _LocalExecutor(self.batches),
+                               _LocalTransfers(self.copier, self.copy_lane), self.trace,
+                               pipeline=config.pipeline)
         self._loop = asyncio.new_event_loop()
 
     @property
@@ -159,6 +164,9 @@ class LLMEngine:
             for ev in self.step():
                 if ev.finish_reason is not None:
                     done[ev.request_id] = ev.finish_reason
+        if not self.scheduler.has_unfinished():
+            # A pipelined step may still run a batch for requests that just finished.
+            self._loop.run_until_complete(self.core.drain())
         finished = {r.request_id: r for r in self.scheduler.collect_finished()}
         self._traced_finished = 0
         results = []
@@ -179,8 +187,12 @@ class LLMEngine:
     def close(self) -> None:
         if self.trace is not None:
             self.trace.close()
+        if not self._loop.is_closed():
+            self._loop.run_until_complete(self.core.drain())
+            self._loop.close()
+        self.batches.close()
+        self.copy_lane.close()
         self.copier.close()
-        self._loop.close()
 
     def stats(self) -> dict[str, object]:
         s: dict[str, object] = dict(self.scheduler.stats.as_dict())
@@ -195,21 +207,24 @@ class LLMEngine:
 
 
 class _LocalExecutor:
-    """The model runner in this process as the core's Executor."""
+    """The model runner in this process as the core's Executor, on its own thread."""
 
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
+    def __init__(self, batches: BatchRunner) -> None:
+        self.batches = batches
 
-    async def execute(self, iteration: int, chunks: list[ScheduledChunk]) -> ExecuteResult:
-        return self.runner.execute(chunks)
+    async def execute(
+        self, iteration: int, chunks: list[ScheduledChunk], after: int = 0
+    ) -> ExecuteResult:
+        return await self.batches.run(iteration, after, chunks)
 
 
 class _LocalTransfers:
     """DuplexKV between this process's two pools as the core's TransferEngine."""
 
-    def __init__(self, copier: LocalCopyEngine) -> None:
+    def __init__(self, copier: LocalCopyEngine, lane: ThreadLane) -> None:
         self.copier = copier
+        self.lane = lane
 
     async def transfer(self, plan: TransferPlan) -> TransferResult:
-        t = self.copier.transfer(plan)
+        t = await self.lane.run(self.copier.transfer, plan)
         return TransferResult(t.d2h_s, t.h2d_s, t.total_s, t.bytes_d2h, t.bytes_h2d)

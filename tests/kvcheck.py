@@ -4,7 +4,9 @@
 there, and before sampling reads the request's whole context back through its block
 table. Any wrong block table, lost copy or race between transfers shows up as a context
 that differs from the request's tokens. The next token is a deterministic function of
-the context, so a correct engine produces the same tokens under any schedule.
+the context, so a correct engine produces the same tokens under any schedule — and the
+checker knows every request's whole token sequence from its prompt alone, whichever of
+its batches landed (a pipelined batch may run and then be given up).
 """
 
 from __future__ import annotations
@@ -50,9 +52,17 @@ class KVStore:
 
 
 class CheckingExecutor:
-    def __init__(self, store: KVStore, truth: dict[str, list[int]]) -> None:
+    def __init__(self, store: KVStore, prompts: dict[str, list[int]]) -> None:
         self.store = store
-        self.truth = truth  # request_id -> all tokens so far (prompt + output), kept by the test
+        self.prompts = prompts  # request_id -> prompt, kept by the test
+        self._tokens: dict[str, list[int]] = {}  # request_id -> prompt + its continuation
+
+    def tokens(self, request_id: str, n: int) -> list[int]:
+        """The first n tokens (prompt, then output) a correct engine gives the request."""
+        seq = self._tokens.setdefault(request_id, list(self.prompts[request_id]))
+        while len(seq) < n:
+            seq.append(next_token(seq))
+        return seq[:n]
 
     def execute(self, chunks: list[ScheduledChunk]) -> ExecuteResult:
         bs = self.store.bs
@@ -64,8 +74,7 @@ class CheckingExecutor:
         for c in chunks:
             end = c.start_pos + len(c.token_ids)
             ctx = [self.store.device[c.block_table[p // bs]][p % bs] for p in range(end)]
-            want = self.truth[c.request_id][:end]
-            if ctx != want:
+            if ctx != self.tokens(c.request_id, end):
                 raise AssertionError(f"{c.request_id}: KV context differs from its tokens")
             if c.sample:
                 sampled[c.request_id] = next_token(ctx)

@@ -47,7 +47,8 @@ def run_engine(
         clock=clock,
     )
     store = KVStore(device_blocks, host_blocks, block_size)
-    truth: dict[str, list[int]] = {}
+    truth: dict[str, list[int]] = {}  # request id -> prompt
+    got: dict[str, list[int]] = {}  # request id -> tokens that landed
     execu = CheckingExecutor(store, truth)
     arrivals = arrivals or [0.0] * len(prompts)
     pending = sorted(range(len(prompts)), key=lambda i: arrivals[i])
@@ -70,9 +71,9 @@ def run_engine(
             sched.complete_transfer(out.transfers.fence)
         res = execu.execute(out.chunks)
         for ev in sched.update_from_output(out, res):
-            truth[ev.request_id].extend(ev.new_token_ids)
+            got.setdefault(ev.request_id, []).extend(ev.new_token_ids)
             if ev.finish_reason is not None:
-                outputs[ev.request_id] = truth[ev.request_id][len(prompts[int(ev.request_id[1:])]):]
+                outputs[ev.request_id] = got[ev.request_id]
         sched.check_integrity()
         clock.t += step_s
     assert not sched.has_unfinished()

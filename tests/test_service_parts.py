@@ -34,6 +34,7 @@ from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from superinfer import services_cli
 from superinfer.supervisor import ServiceFailed, ServiceSpec, Supervisor
 from tests.kvcheck import CheckingExecutor, KVStore, next_token
+from worker.batches import BatchRunner
 from worker.kv_pool import DevicePool
 
 T = TypeVar("T")
@@ -187,38 +188,42 @@ def test_transfer_plans_pack_source_first() -> None:
 
 # -- the iteration loop, against the KV-checking fakes ----------------------------------------------
 class FakeWorker:
-    """CheckingExecutor behind the RemoteWorker interface; can be told to fail, or to
-    restart: a new pool id and every device block overwritten (the old KV is gone)."""
+    """CheckingExecutor behind the RemoteWorker interface, run by the real BatchRunner (in
+    order, placeholders filled in); can be told to fail, or to restart: a new pool id and
+    every device block overwritten (the old KV is gone)."""
 
     def __init__(self, store: KVStore) -> None:
-        self.truth: dict[str, list[int]] = {}
+        self.truth: dict[str, list[int]] = {}  # request id -> prompt
         self.store = store
         self.inner = CheckingExecutor(store, self.truth)
         self.fail_next = False
         self.pool_id = "pool-1"
+        self.batches = BatchRunner(self._execute)
 
     def restart(self) -> None:
         self.pool_id = "pool-2"
+        self.batches = BatchRunner(self._execute)  # a new process: no batch ran yet
         for block in self.store.device:
             block[:] = [-7] * len(block)
 
     async def wait_serving(self, timeout_s: float) -> None:
         await asyncio.sleep(0)
 
+    def _execute(self, chunks: list[ScheduledChunk]) -> ExecuteResult:
+        return self.inner.execute(chunks)
+
     async def execute(self, iteration: int, chunks: list[ScheduledChunk],
-                      pool_id: str) -> ExecuteResult:
+                      pool_id: str, after: int = 0) -> ExecuteResult:
         await asyncio.sleep(0)
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("worker exploded")
         if pool_id != self.pool_id:  # as the real worker: FAILED_PRECONDITION
             raise RuntimeError(f"batch for pool {pool_id}, this worker's is {self.pool_id}")
-        result = self.inner.execute(chunks)
-        for rid, tok in result.sampled.items():
-            self.truth[rid].append(tok)
-        return result
+        return await self.batches.run(iteration, after, chunks)
 
     async def kv_pool(self) -> worker_pb2.KVPoolHandle:
+        await self.batches.barrier()  # as the real worker: after any forward in flight
         return worker_pb2.KVPoolHandle(pool_id=self.pool_id, shape=[16, 1, 2, 4, 1, 1])
 
 
@@ -250,10 +255,10 @@ class FakeKVMem:
                                      host_pool_id=self.host_pool_id)
 
 
-def _loop(device_blocks: int = 16) -> tuple[ServingLoop, FakeWorker]:
+def _loop(device_blocks: int = 16, pipelined: bool = False) -> tuple[ServingLoop, FakeWorker]:
     sched = Scheduler(
         SchedulerConfig(num_device_blocks=device_blocks, num_host_blocks=64, block_size=4,
-                        max_batched_tokens=32, eager_budget_blocks=4),
+                        max_batched_tokens=32, eager_budget_blocks=4, pipelined=pipelined),
         make_policy("lvf"),
     )
     store = KVStore(device_blocks, 64, 4)
@@ -288,9 +293,10 @@ def _expected(prompt: list[int], n: int) -> list[int]:
     return ctx[len(prompt):]
 
 
-def test_loop_streams_every_token_through_rotation_and_frees_all_blocks() -> None:
+@pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "pipelined"])
+def test_loop_streams_every_token_through_rotation_and_frees_all_blocks(pipelined: bool) -> None:
     async def body() -> None:
-        loop, worker = _loop(device_blocks=16)
+        loop, worker = _loop(device_blocks=16, pipelined=pipelined)
         task = asyncio.create_task(loop.run())
         prompts = [[i, i + 1, i + 2, 3 * i] for i in range(12)]
         queues = [_submit(loop, worker, f"r{i}", p, 20) for i, p in enumerate(prompts)]
@@ -308,9 +314,10 @@ def test_loop_streams_every_token_through_rotation_and_frees_all_blocks() -> Non
     run(body)
 
 
-def test_loop_abort_stop_and_dropped_streams_end_cleanly() -> None:
+@pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "pipelined"])
+def test_loop_abort_stop_and_dropped_streams_end_cleanly(pipelined: bool) -> None:
     async def body() -> None:
-        loop, worker = _loop()
+        loop, worker = _loop(pipelined=pipelined)
         task = asyncio.create_task(loop.run())
         qa = _submit(loop, worker, "a", [1, 2, 3], 1000)
         qb = _submit(loop, worker, "b", [4, 5, 6], 1000)
@@ -333,10 +340,11 @@ def test_loop_abort_stop_and_dropped_streams_end_cleanly() -> None:
     run(body)
 
 
-def test_loop_fails_in_flight_requests_on_a_peer_error_and_recovers() -> None:
+@pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "pipelined"])
+def test_loop_fails_in_flight_requests_on_a_peer_error_and_recovers(pipelined: bool) -> None:
     """A batch fails with the same pools (say, a deadline): the iteration is re-run."""
     async def body() -> None:
-        loop, worker = _loop()
+        loop, worker = _loop(pipelined=pipelined)
         task = asyncio.create_task(loop.run())
         q = _submit(loop, worker, "a", [1, 2, 3], 40)
         first = await q.get()
@@ -352,9 +360,10 @@ def test_loop_fails_in_flight_requests_on_a_peer_error_and_recovers() -> None:
     run(body)
 
 
-def test_loop_resumes_every_request_after_a_worker_and_a_kvmem_restart() -> None:
+@pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "pipelined"])
+def test_loop_resumes_every_request_after_a_worker_and_a_kvmem_restart(pipelined: bool) -> None:
     async def body() -> None:
-        loop, worker = _loop(device_blocks=16)
+        loop, worker = _loop(device_blocks=16, pipelined=pipelined)
         kvmem: FakeKVMem = loop.kvmem  # type: ignore[assignment]
         task = asyncio.create_task(loop.run())
         prompts = [[i, i + 1, i + 2, 3 * i] for i in range(8)]
@@ -394,9 +403,10 @@ def test_loop_resumes_every_request_after_a_worker_and_a_kvmem_restart() -> None
     run(body)
 
 
-def test_loop_gives_up_on_a_batch_that_always_fails_and_drains_on_shutdown() -> None:
+@pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "pipelined"])
+def test_loop_gives_up_on_a_batch_that_always_fails_and_drains_on_shutdown(pipelined: bool) -> None:
     async def body() -> None:
-        loop, worker = _loop()
+        loop, worker = _loop(pipelined=pipelined)
         task = asyncio.create_task(loop.run())
 
         async def always_fail(*args: object) -> ExecuteResult:

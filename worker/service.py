@@ -17,13 +17,14 @@ import structlog
 import torch
 
 from common.config import EngineConfig
-from common.contracts import KVShape, ScheduledChunk
+from common.contracts import PLACEHOLDER, KVShape, ScheduledChunk
 from common.daemon import Daemon, run_daemon
 from common.dtypes import DTYPES
 from common.modelfile import resolve_model
 from common.shm import SegmentRecord
 from common.wire import chunk_from_proto
 from proto import scheduler_pb2, worker_pb2, worker_pb2_grpc
+from worker.batches import BatchRunner, OutOfOrder
 from worker.kv_pool import DevicePool
 from worker.loader import load_weights
 from worker.model import LlamaModel
@@ -41,6 +42,7 @@ class Loaded:
     runner: ModelRunner
     pool: DevicePool
     info: scheduler_pb2.ModelInfo
+    batches: BatchRunner  # one forward at a time, in the scheduler's order
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
@@ -50,7 +52,6 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # Our pool's segment name, so that a worker killed with SIGKILL leaves no segment
         # behind: the next one (or the supervisor) unlinks it (common/shm.py).
         self.segments = SegmentRecord(run_dir / "worker.shm") if run_dir else None
-        self._lock = asyncio.Lock()  # one batch at a time: batches write the shared pool
 
     async def load(self) -> None:
         cfg = self.config
@@ -83,7 +84,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             source_kind=source.kind,
             source_path=str(source.path),
         )
-        self.loaded = Loaded(runner, pool, info)
+        self.loaded = Loaded(runner, pool, info, BatchRunner(runner.execute))
         handle = pool.handle()
         if self.segments is not None and handle.shm_name:
             self.segments.add(handle.shm_name)
@@ -94,6 +95,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def close(self) -> None:
         loaded, self.loaded = self.loaded, None
         if loaded is not None:
+            loaded.batches.close()  # waits for a forward still writing the pool
             loaded.runner.kv = torch.empty(0)  # drop the last view before unmapping
             name = loaded.pool.handle().shm_name
             loaded.pool.close()
@@ -122,8 +124,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                                 w.info.vocab_size)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        async with self._lock:
-            result = await asyncio.to_thread(w.runner.execute, chunks)
+        try:
+            result = await w.batches.run(request.iteration, request.after_iteration, chunks)
+        except OutOfOrder as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         return worker_pb2.ExecuteReply(
             request_ids=list(result.sampled),
             token_ids=list(result.sampled.values()),
@@ -134,10 +138,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.KVPoolRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.KVPoolHandle:
         loaded = await self._ready(context)
-        # After the lock: a scheduler recovering from a failed batch (say, past its
-        # deadline) learns the pool only once that batch stopped writing to it.
-        async with self._lock:
-            return loaded.pool.handle()
+        # After every batch already sent: a scheduler recovering from a failed batch (say,
+        # past its deadline) learns the pool only once that batch stopped writing to it.
+        await loaded.batches.barrier()
+        return loaded.pool.handle()
 
     async def GetModelInfo(
         self, request: scheduler_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext
@@ -157,7 +161,10 @@ def _check_chunks(
             return f"{c.request_id}: block table covers fewer than {end} positions"
         if any(not 0 <= b < num_blocks for b in c.block_table):
             return f"{c.request_id}: block table names a block outside the pool ({num_blocks})"
-        if any(not 0 <= t < vocab for t in c.token_ids):
+        # The last token may be PLACEHOLDER: the previous batch's sample (worker/batches.py).
+        if any(not 0 <= t < vocab for t in c.token_ids[:-1]) or not (
+            0 <= c.token_ids[-1] < vocab or c.token_ids[-1] == PLACEHOLDER
+        ):
             return f"{c.request_id}: token id outside the vocabulary ({vocab})"
     return None
 

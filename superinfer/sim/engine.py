@@ -1,20 +1,17 @@
 """The simulator: the real `Scheduler`, block manager and policy on a simulated clock.
 
-Each iteration is the service's loop with cost models in place of the worker and kvmem:
+Each iteration is the engine's own step (`scheduler_svc/engine_core.py`), serial or
+pipelined as the engine runs it, with cost models in place of the worker and kvmem:
 
-    schedule()                        the real scheduler, at the simulated time
-    transfer: swap-out + swap-in      critical path (duplex: both at once; else one by one)
-    execute: the batch                ExecutionCostModel (roofline)
-    eager copies                      background on the D2H stream, overlapping execution:
-                                      they cost time only for the part longer than execution
-    clock += overhead + transfer + execute (+ eager overrun);  complete_transfer(fence)
-    update_from_output()              one synthetic token per sampled chunk
+    schedule()                 the real scheduler, at the simulated time (takes no time)
+    transfer(plan)             TransferCostModel: the plan's copies on the link (duplex:
+                               both directions at once; else one after the other)
+    execute(batch)             ExecutionCostModel (roofline), one batch at a time
+    update_from_output()       one synthetic token per sampled chunk
 
-The iteration itself is the engine's one step (`scheduler_svc/engine_core.py`), with the
-cost models below as its executor and transfer engine; they advance the clock.
-
-With `pipeline=True` the transfer hides behind execution (DESIGN 5's cross-iteration
-pipeline): the iteration takes max(transfer, execute) instead of their sum.
+The lanes take their time with `asyncio.sleep` on a simulated clock (`vclock.py`), so
+whatever the step overlaps — the pipelined step plans t+1 and runs its copies while batch
+t executes — overlaps here exactly as the engine does it.
 
 Requests join when the clock passes their arrival; an idle engine jumps to the next
 arrival. Requests run with ignore_eos and max_tokens = the trace's output length.
@@ -25,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +35,7 @@ from scheduler_svc.request import SLO, Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from superinfer.sim.cost import LAYOUTS, ExecutionCostModel, TransferCostModel
 from superinfer.sim.profile import HardwareProfile, ModelProfile
+from superinfer.sim.vclock import VirtualClock
 from superinfer.slo_metrics import RequestRecord, SLOMetrics, compute_metrics
 from superinfer.workload import TraceRequest
 
@@ -78,7 +77,7 @@ class SimConfig:
     eager_budget_blocks: int = AUTO  # 0: no eager copies
     layout: str = "block-first"
     duplex: bool = True
-    pipeline: bool = False
+    pipeline: bool = _ENGINE.pipeline
     ttft_slo: float = _ENGINE.ttft_slo
     tbt_slo: float = _ENGINE.tbt_slo
     device_blocks: int | None = None  # None: from the profile's memory
@@ -280,9 +279,10 @@ class Simulator:
             max_model_len=min(c.max_model_len or self.model.max_model_len,
                               self.model.max_model_len),
             eager_budget_blocks=self.eager_budget,
+            pipelined=c.pipeline,
         )
 
-    def make_scheduler(self, clock: _Clock) -> Scheduler:
+    def make_scheduler(self, clock: Callable[[], float]) -> Scheduler:
         c = self.cfg
         policy = make_policy(
             self.policy_name,
@@ -293,17 +293,19 @@ class Simulator:
 
     def run(self, trace: list[TraceRequest], duration_s: float | None = None) -> SimResult:
         """Serve `trace` on the simulated clock."""
-        with asyncio.Runner() as runner:
-            return runner.run(self._run(trace, duration_s))
+        clock = VirtualClock()
+        with asyncio.Runner(loop_factory=clock.new_loop) as runner:
+            return runner.run(self._run(trace, duration_s, clock))
 
-    async def _run(self, trace: list[TraceRequest], duration_s: float | None) -> SimResult:
+    async def _run(self, trace: list[TraceRequest], duration_s: float | None,
+                   clock: VirtualClock) -> SimResult:
         wall0 = time.perf_counter()
         cfg = self.cfg
-        clock = _Clock()
         sched = self.scheduler = self.make_scheduler(clock)
         slo = SLO(cfg.ttft_slo, cfg.tbt_slo)
-        link = _SimTransfers(self.xfer_model, clock, cfg.pipeline)
-        core = EngineCore(sched, _SimExecutor(self.exec_model, clock, link), link, timer=clock)
+        link = _SimLink(self.xfer_model)
+        worker = _SimWorker(self.exec_model)
+        core = EngineCore(sched, worker, link, timer=clock, pipeline=cfg.pipeline)
         # Clip to the model's context only: a prompt larger than the device pool (the
         # scheduler's own cap) is refused by add_request and counted as a miss below.
         max_len = min(cfg.max_model_len or self.model.max_model_len, self.model.max_model_len)
@@ -337,18 +339,17 @@ class Simulator:
             if not sched.has_unfinished():
                 if i >= len(pending):
                     break
-                clock.t = pending[i].arrival_s
+                clock.advance_to(pending[i].arrival_s)
                 continue
             if clock.t > max_sim_s:
                 break
 
             step = await core.step()
-            link.settle()  # background copies that outlasted the iteration's execution
             if not step.busy:
                 # Nothing runnable and nothing moving: only an arrival can change that.
                 idle_iterations += 1
                 if i < len(pending):
-                    clock.t = max(clock.t, pending[i].arrival_s)
+                    clock.advance_to(pending[i].arrival_s)
                     continue
                 raise SimulationError(
                     f"{self.label}: the scheduler made no progress at t={clock.t:.3f}s with "
@@ -383,9 +384,10 @@ class Simulator:
             "executes": core.stats.executes,  # iterations that ran a batch (others only moved blocks)
             "sim_time_s": clock.t,
             "execute_s": core.stats.execute_s,
-            "transfer_s": link.critical_s_total,
-            "eager_overrun_s": link.eager_overrun_s,
-            "mean_iteration_s": (core.stats.execute_s + link.critical_s_total) / max(1, s.iterations),
+            "transfer_s": link.busy_s,  # the link's busy time
+            "transfer_wait_s": core.stats.transfer_wait_s,  # ... of which the step waited
+            "pipeline": cfg.pipeline,
+            "mean_iteration_s": clock.t / max(1, s.iterations),
             "mean_batch_tokens": batch_tokens / max(1, s.iterations),
             "max_running": max_running,
             "rotations": s.rotations,
@@ -402,76 +404,47 @@ class Simulator:
         return SimResult(self.policy_name, self.label, metrics, stats, records)
 
 
-class _Clock:
-    """The simulated time, injected into the scheduler as its clock."""
+class _SimWorker:
+    """The execution cost model as the core's Executor: one batch at a time, each taking
+    its modelled time; every sampled request gets token 0."""
 
-    __slots__ = ("t",)
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-class _SimTransfers:
-    """The transfer cost model as the core's TransferEngine.
-
-    A plan's swaps are on the iteration's critical path (with `pipeline`, the what-if of
-    DESIGN §5, they hide behind its execution instead: the iteration takes
-    max(transfer, execute)); its eager copies run in the background on the D2H stream,
-    beside execution, and cost time only for the part that outlasts it.
-
-    The clock moves once per iteration, by its whole span, when the execution is
-    accounted (`span`): the simulated timings come from the models, not from timing the
-    calls, and one addition per iteration keeps the clock's floating-point sums the same
-    whatever the call order.
-    """
-
-    def __init__(self, model: TransferCostModel, clock: _Clock, pipeline: bool) -> None:
+    def __init__(self, model: ExecutionCostModel) -> None:
         self.model = model
-        self.clock = clock
-        self.pipeline = pipeline
-        self.critical_s = 0.0  # this iteration's swaps, not yet on the clock
-        self.eager_s = 0.0  # this iteration's background copies
-        self.critical_s_total = 0.0
-        self.eager_overrun_s = 0.0
+        self._busy: asyncio.Lock | None = None
 
-    async def transfer(self, plan: TransferPlan) -> TransferResult:
-        xt = self.model.plan_time(plan)
-        self.critical_s, self.eager_s = xt.critical_s, xt.eager_s
-        self.critical_s_total += xt.critical_s
-        return TransferResult(xt.d2h_s + xt.eager_s, xt.h2d_s, xt.critical_s,
-                              int(xt.d2h_bytes), int(xt.h2d_bytes))
-
-    def span(self, execute_s: float) -> float:
-        """The iteration's time, given how long its execution took; resets for the next."""
-        crit, self.critical_s = self.critical_s, 0.0
-        over, self.eager_s = max(0.0, self.eager_s - execute_s), 0.0
-        self.eager_overrun_s += over
-        step = max(execute_s, crit) if self.pipeline else execute_s + crit
-        return step + over
-
-    def settle(self) -> None:
-        """After a step that executed nothing: its copies alone take the time."""
-        if self.critical_s or self.eager_s:
-            self.clock.t += self.span(0.0)
-
-
-class _SimExecutor:
-    """The execution cost model as the core's Executor: the batch takes its modelled time,
-    with the iteration's transfers (see _SimTransfers); every sampled request gets token 0."""
-
-    def __init__(self, model: ExecutionCostModel, clock: _Clock, link: _SimTransfers) -> None:
-        self.model = model
-        self.clock = clock
-        self.link = link
-
-    async def execute(self, iteration: int, chunks: list[ScheduledChunk]) -> ExecuteResult:
+    async def execute(
+        self, iteration: int, chunks: list[ScheduledChunk], after: int = 0
+    ) -> ExecuteResult:
         ex = self.model.iteration_s(chunks)
-        self.clock.t += self.link.span(ex)
+        if self._busy is None:
+            self._busy = asyncio.Lock()
+        async with self._busy:  # FIFO: batches run in the order they were sent
+            await asyncio.sleep(ex)
         return ExecuteResult(sampled={c.request_id: 0 for c in chunks if c.sample},
                              execute_s=ex)
+
+
+class _SimLink:
+    """The transfer cost model as the core's TransferEngine: a plan's copies — swaps and
+    eager copies alike, each direction on its own stream when duplex — take the time the
+    model gives them on the link, one plan after another."""
+
+    def __init__(self, model: TransferCostModel) -> None:
+        self.model = model
+        self.busy_s = 0.0
+        self._busy: asyncio.Lock | None = None
+
+    async def transfer(self, plan: TransferPlan) -> TransferResult:
+        moves = TransferPlan(plan.fence, swap_out=plan.swap_out + plan.eager,
+                             swap_in=plan.swap_in + plan.late_swap_in)
+        xt = self.model.plan_time(moves)
+        if self._busy is None:
+            self._busy = asyncio.Lock()
+        async with self._busy:
+            await asyncio.sleep(xt.critical_s)
+        self.busy_s += xt.critical_s
+        return TransferResult(xt.d2h_s, xt.h2d_s, xt.critical_s, int(xt.d2h_bytes),
+                              int(xt.h2d_bytes))
 
 
 def simulate(

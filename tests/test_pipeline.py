@@ -1,0 +1,315 @@
+"""The pipelined step (scheduler_svc/engine_core.py): batch t+1 planned, its copies made and
+the batch sent while batch t runs — against the token-level KV checker, with random
+workloads, aborts and small pools; the worker's batch order and placeholders; and no
+forward or copy ever running beside another after its RPC was cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from common.contracts import PLACEHOLDER, ExecuteResult, ScheduledChunk, TransferResult
+from common.lane import ThreadLane
+from common.wire import plan_to_proto
+from kvmem_svc.service import KVMemService
+from proto import kvmem_pb2_grpc
+from scheduler_svc.engine_core import EngineCore
+from scheduler_svc.policy import POLICY_NAMES, RotationLimits, make_policy
+from scheduler_svc.request import SLO, Request, SamplingParams
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from tests.kvcheck import CheckingExecutor, KVStore, next_token
+from tests.test_service_parts import SHAPE, _plan, _with_kvmem
+from worker.batches import BatchRunner, OutOfOrder
+from worker.kv_pool import DevicePool
+
+
+def expected(prompt: list[int], n: int) -> list[int]:
+    ctx = list(prompt)
+    for _ in range(n):
+        ctx.append(next_token(ctx))
+    return ctx[len(prompt):]
+
+
+class _Interleaving:
+    """Checker lanes for the core: batches on their own thread (BatchRunner), copies on
+    the event loop with a yield before each, so the two really overlap."""
+
+    def __init__(self, store: KVStore, prompts: dict[str, list[int]]) -> None:
+        self.store = store
+        self.checker = CheckingExecutor(store, prompts)
+        self.batches = BatchRunner(self.checker.execute)
+
+    async def execute(self, iteration: int, chunks: list[ScheduledChunk],
+                      after: int = 0) -> ExecuteResult:
+        return await self.batches.run(iteration, after, chunks)
+
+    async def transfer(self, plan):  # noqa: ANN001, ANN201
+        await asyncio.sleep(0)
+        self.store.transfer(plan)
+        return TransferResult()
+
+
+def _serve(policy: str, prompts: list[list[int]], lens: list[int], device_blocks: int,
+           aborts: dict[int, int], pipeline: bool = True,
+           limits: RotationLimits | None = None) -> tuple[dict[str, list[int]], Scheduler]:
+    """Run every request through EngineCore.step(); abort request i at step aborts[i].
+    Returns what each request produced and the scheduler (checked at every step)."""
+    sched = Scheduler(
+        SchedulerConfig(num_device_blocks=device_blocks, num_host_blocks=400, block_size=4,
+                        max_batched_tokens=24, eager_budget_blocks=4, pipelined=pipeline),
+        make_policy(policy, limits=limits or RotationLimits()),
+    )
+    store = KVStore(device_blocks, 400, 4)
+    truth: dict[str, list[int]] = {}
+    lanes = _Interleaving(store, truth)
+    core = EngineCore(sched, lanes, lanes, pipeline=pipeline)
+    got: dict[str, list[int]] = {}
+
+    async def main() -> None:
+        for i, p in enumerate(prompts):
+            truth[f"r{i}"] = list(p)
+            got[f"r{i}"] = []
+            sched.add_request(Request(f"r{i}", list(p), SamplingParams(max_tokens=lens[i],
+                                                                       ignore_eos=True),
+                                      arrival_time=sched.clock(), slo=SLO(0.05, 0.01)))
+        steps = 0
+        while sched.has_unfinished() or not core.idle:
+            steps += 1
+            assert steps < 5000, "no progress"
+            res = await core.step()
+            for ev in res.events:
+                got[ev.request_id] += ev.new_token_ids
+            for i, at in aborts.items():
+                if at == steps:
+                    sched.abort(f"r{i}")
+            sched.check_integrity()
+        lanes.batches.close()
+
+    asyncio.run(main())
+    return got, sched
+
+
+def _check(got: dict[str, list[int]], sched: Scheduler, prompts: list[list[int]],
+           lens: list[int], aborted: set[int], device_blocks: int) -> None:
+    context = device_blocks * 4  # a request may not outgrow the device pool
+    for i, p in enumerate(prompts):
+        want = expected(p, min(lens[i], context - len(p)))
+        if i in aborted:
+            assert got[f"r{i}"] == want[: len(got[f"r{i}"])]  # a prefix, unchanged
+        else:
+            assert got[f"r{i}"] == want, f"r{i}"
+    bm = sched.bm
+    assert bm.num_free_device == device_blocks and bm.num_free_host == 400
+    assert bm.pending_fences == [] and not sched.in_flight
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_pipelined_step_is_exact_under_rotation(policy: str) -> None:
+    prompts = [[i, i + 1, i + 2, 3 * i, 5] for i in range(12)]
+    lens = [20 + (i % 5) for i in range(12)]
+    got, sched = _serve(policy, prompts, lens, device_blocks=16, aborts={})
+    _check(got, sched, prompts, lens, set(), 16)
+    if policy != "fcfs":
+        assert sched.stats.rotations > 0
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    n=st.integers(2, 10),
+    device_blocks=st.integers(8, 24),
+    policy=st.sampled_from(POLICY_NAMES),
+    min_residency=st.sampled_from([0, 2, 32]),
+)
+def test_random_pipelined_workloads_stay_exact(data, n, device_blocks, policy, min_residency):  # noqa: ANN001
+    prompts = [data.draw(st.lists(st.integers(0, 999), min_size=1, max_size=18)) for _ in range(n)]
+    lens = [data.draw(st.integers(1, 24)) for _ in range(n)]
+    aborted = set(data.draw(st.lists(st.integers(0, n - 1), max_size=2, unique=True)))
+    aborts = {i: data.draw(st.integers(1, 40)) for i in aborted}
+    got, sched = _serve(policy, prompts, lens, device_blocks, aborts,
+                        limits=RotationLimits(min_residency=min_residency))
+    _check(got, sched, prompts, lens, aborted, device_blocks)
+
+
+def test_eager_copies_of_blocks_a_batch_still_writes_are_caught(monkeypatch) -> None:  # noqa: ANN001
+    """The rule "eager copies only of settled blocks" is load-bearing: copying blocks by
+    their optimistic count (the chunk in flight included) gives stale host copies, and the
+    checker sees a rotated request come back with a wrong context."""
+    import scheduler_svc.request as request_mod
+
+    monkeypatch.setattr(request_mod.Request, "num_settled_tokens",
+                        property(lambda self: self.num_computed_tokens))
+    prompts = [[i, i + 1, i + 2, 3 * i, 5] for i in range(12)]
+    lens = [20 + (i % 5) for i in range(12)]
+    with pytest.raises(AssertionError, match="KV context differs"):
+        _serve("lvf", prompts, lens, device_blocks=16, aborts={})
+
+
+def test_swap_ins_into_blocks_a_batch_may_read_wait_for_it(monkeypatch) -> None:  # noqa: ANN001
+    """The rule "a swap-in into a block released while a batch is in flight runs after that
+    batch" is load-bearing: copied beside the batch, the swap-in overwrites KV the batch
+    still reads, and the checker sees it."""
+    from common.contracts import TransferPlan
+
+    def beside_everything(self: TransferPlan) -> TransferPlan:
+        return TransferPlan(self.fence, swap_in=self.swap_in + self.late_swap_in, eager=self.eager)
+
+    def after_only_swap_outs(self: TransferPlan) -> TransferPlan:
+        return TransferPlan(self.fence, swap_out=self.swap_out)
+
+    monkeypatch.setattr(TransferPlan, "beside_batch", beside_everything)
+    monkeypatch.setattr(TransferPlan, "after_batch", after_only_swap_outs)
+    prompts = [[i, i + 1, i + 2, 3 * i, 5] for i in range(12)]
+    lens = [20 + (i % 5) for i in range(12)]
+    with pytest.raises(AssertionError, match="KV context differs"):
+        for seed in range(6):  # the race needs a batch slow enough to lose it
+            _serve("lvf", [[(t + seed) % 1000 for t in p] for p in prompts], lens,
+                   device_blocks=16, aborts={})
+
+
+def test_the_serial_step_stays_exact_too() -> None:
+    prompts = [[i, i + 1, i + 2, 3 * i, 5] for i in range(12)]
+    lens = [20 + (i % 5) for i in range(12)]
+    got, sched = _serve("lvf", prompts, lens, device_blocks=16, aborts={}, pipeline=False)
+    _check(got, sched, prompts, lens, set(), 16)
+
+
+# -- the worker's batch order and placeholders ------------------------------------------------
+def _echo(chunks: list[ScheduledChunk]) -> ExecuteResult:
+    """Samples, for each request, its last input token + 1: placeholders are visible."""
+    return ExecuteResult(sampled={c.request_id: c.token_ids[-1] + 1 for c in chunks if c.sample})
+
+
+def _chunk(rid: str, tokens: list[int]) -> ScheduledChunk:
+    return ScheduledChunk(rid, tokens, 0, [0], True)
+
+
+def test_placeholders_take_the_previous_batchs_samples_in_order() -> None:
+    async def body() -> None:
+        runner = BatchRunner(_echo)
+        first = asyncio.create_task(runner.run(1, 0, [_chunk("a", [10]), _chunk("b", [20])]))
+        # Sent before the first batch's output is back: placeholders.
+        second = asyncio.create_task(runner.run(2, 1, [_chunk("a", [PLACEHOLDER]),
+                                                       _chunk("b", [7, PLACEHOLDER])]))
+        assert (await first).sampled == {"a": 11, "b": 21}
+        assert (await second).sampled == {"a": 12, "b": 22}
+        with pytest.raises(OutOfOrder, match="batch 1"):  # not the batch that ran last
+            await runner.run(3, 1, [_chunk("a", [PLACEHOLDER])])
+        runner.close()
+
+    asyncio.run(body())
+
+
+def test_a_batch_sent_ahead_of_the_one_it_follows_waits_for_it() -> None:
+    async def body() -> None:
+        runner = BatchRunner(_echo)
+        later = asyncio.create_task(runner.run(2, 1, [_chunk("a", [PLACEHOLDER])]))
+        await asyncio.sleep(0.05)
+        assert not later.done()
+        assert (await runner.run(1, 0, [_chunk("a", [5])])).sampled == {"a": 6}
+        assert (await later).sampled == {"a": 7}
+        runner.close()
+
+    asyncio.run(body())
+
+
+def test_a_fresh_worker_refuses_a_batch_that_refers_to_one_it_never_ran(monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr("worker.batches.WAIT_FOR_PREVIOUS_S", 0.05)
+
+    async def body() -> None:
+        runner = BatchRunner(_echo)
+        with pytest.raises(OutOfOrder, match="never came"):
+            await runner.run(9, 8, [_chunk("a", [PLACEHOLDER])])
+        runner.close()
+
+    asyncio.run(body())
+
+
+# -- a cancelled RPC never lets the next job run beside one still running ----------------------
+class _Recorder:
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.spans: list[tuple[float, float]] = []
+        self._lock = threading.Lock()
+
+    def job(self, *args: object) -> ExecuteResult:
+        t0 = time.perf_counter()
+        time.sleep(self.seconds)
+        with self._lock:
+            self.spans.append((t0, time.perf_counter()))
+        return ExecuteResult(sampled={})
+
+
+def _no_overlap(spans: list[tuple[float, float]]) -> None:
+    spans = sorted(spans)
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert start >= end, f"a job started at {start} while one ran until {end}"
+
+
+def test_a_cancelled_forward_keeps_the_next_forward_and_the_pool_handle_waiting() -> None:
+    async def body() -> None:
+        rec = _Recorder(0.3)
+        runner = BatchRunner(rec.job)
+        first = asyncio.create_task(runner.run(1, 0, [_chunk("a", [1])]))
+        await asyncio.sleep(0.05)
+        first.cancel()  # the RPC's deadline passed, or its client went away
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert len(rec.spans) == 0  # ... but the forward is still running
+        t_barrier = asyncio.create_task(runner.barrier())  # what GetKVPool waits for
+        await runner.run(2, 0, [_chunk("a", [2])])
+        await t_barrier
+        _no_overlap(rec.spans)
+        assert len(rec.spans) == 2
+        runner.close()
+
+    asyncio.run(body())
+
+
+def test_kvmem_never_copies_beside_a_cancelled_copy(monkeypatch) -> None:  # noqa: ANN001
+    pool = DevicePool.create(SHAPE, torch.float32)
+    rec = _Recorder(0.3)
+
+    async def body(stub: kvmem_pb2_grpc.KVMemStub, service: KVMemService) -> None:
+        await stub.AttachPool(pool.handle())
+        assert service.engine is not None
+        real = service.engine.transfer
+
+        def slow(plan):  # noqa: ANN001, ANN202
+            rec.job()
+            return real(plan)
+
+        monkeypatch.setattr(service.engine, "transfer", slow)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Transfer(plan_to_proto(_plan(1, out=[(1, 0)]), pool.pool_id),
+                                timeout=0.05)
+        assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        await stub.Transfer(plan_to_proto(_plan(2, out=[(2, 1)]), pool.pool_id))
+        await stub.AttachPool(pool.handle())  # re-attaching waits for copies too
+        _no_overlap(rec.spans)
+        assert len(rec.spans) == 2
+
+    try:
+        asyncio.run(_with_kvmem(body, host_blocks=4))
+    finally:
+        pool.close()
+
+
+def test_thread_lane_runs_in_order() -> None:
+    async def body() -> None:
+        lane = ThreadLane("t")
+        order: list[int] = []
+        jobs = [asyncio.create_task(lane.run(order.append, i)) for i in range(20)]
+        await asyncio.gather(*jobs)
+        assert order == list(range(20))
+        lane.close()
+
+    asyncio.run(body())
