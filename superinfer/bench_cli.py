@@ -14,6 +14,8 @@ BENCHES = {
                        "time waiting on KV transfers per DuplexKV mode, real services"),
     "overhead": ("superinfer.bench.serve_overhead",
                  "decode throughput through the services vs in-process"),
+    "pipeline": ("superinfer.bench.pipeline",
+                 "the worker's compute share with the pipelined step and without"),
     "serve": ("superinfer.bench.serve", "load benchmark of an OpenAI-compatible server"),
     "experiment": ("superinfer.bench.experiment",
                    "rotation policies on the real stack: rate sweep, table, plot, claim check"),

@@ -100,7 +100,9 @@ async def _served_once(url: str, prompts: list[str], new: int) -> Measure:
 
 
 
-def _start_stack(run_dir: Path, device_blocks: int, timeout_s: float) -> tuple[Supervisor, str]:
+def _start_stack(run_dir: Path, device_blocks: int, timeout_s: float,
+                 scheduler_args: list[str] | None = None,
+                 host_blocks: int = 0) -> tuple[Supervisor, str]:
     port = {n: free_port() for n in ("worker", "kvmem", "scheduler", "http")}
     addr = {n: f"127.0.0.1:{p}" for n, p in port.items()}
     cli = [sys.executable, "-m", "superinfer.cli"]
@@ -109,9 +111,10 @@ def _start_stack(run_dir: Path, device_blocks: int, timeout_s: float) -> tuple[S
         ServiceSpec("worker", [*cli, "worker", *common, "--port", str(port["worker"]),
                                "--device-blocks", str(device_blocks)], grpc_probe(addr["worker"])),
         ServiceSpec("kvmem", [*cli, "kvmem", *common, "--port", str(port["kvmem"]),
-                              "--host-blocks", "0"], grpc_probe(addr["kvmem"])),
+                              "--host-blocks", str(host_blocks)], grpc_probe(addr["kvmem"])),
         ServiceSpec("scheduler", [*cli, "scheduler", *common, "--port", str(port["scheduler"]),
-                                  "--worker-addr", addr["worker"], "--kvmem-addr", addr["kvmem"]],
+                                  "--worker-addr", addr["worker"], "--kvmem-addr", addr["kvmem"],
+                                  *(scheduler_args or [])],
                     grpc_probe(addr["scheduler"])),
         ServiceSpec("gateway", [*cli, "gateway", *common, "--port", str(port["http"]),
                                 "--grpc-port", "0", "--scheduler-addr", addr["scheduler"]],
