@@ -382,8 +382,11 @@ def test_metrics_mirror_scheduler_stats(tmp_path: Path) -> None:
             'superinfer_kv_blocks_free{tier="device"} 75.0',
             'superinfer_kv_usage_ratio{tier="device"} 0.25',
             'superinfer_kv_usage_ratio{tier="host"} 0.0',
-            "superinfer_scheduler_rotations 3.0",
-            "superinfer_scheduler_swap_in_blocks 7.0",
+            "# TYPE superinfer_scheduler_rotations_total counter",
+            "superinfer_scheduler_rotations_total 3.0",
+            "superinfer_scheduler_swap_in_blocks_total 7.0",
+            # A statistic this gateway has no entry for is passed on, untyped.
+            "# TYPE superinfer_scheduler_odd_name untyped",
             "superinfer_scheduler_odd_name 1.0",
             "superinfer_time_to_first_token_seconds_count 1.0",
             "superinfer_inter_token_latency_seconds_count 4.0",

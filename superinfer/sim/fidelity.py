@@ -35,6 +35,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from superinfer.bench.server_stats import scheduler_stat
 from superinfer.config import EngineConfig
 from superinfer.errors import SuperInferError
 from superinfer.sim.engine import SimConfig, SimResult, SimulationError, Simulator
@@ -165,8 +166,7 @@ def _per_iteration(real: dict[str, Any], sim_stats: dict[str, Any]) -> dict[str,
     m = (real.get("stats") or {}).get("server_metrics_delta") or {}
 
     def g(key: str) -> float | None:
-        v = m.get(f"superinfer_scheduler_{key}")
-        return None if v is None else float(v)
+        return scheduler_stat(m, key)
 
     executes, iters = g("executes"), g("iterations")
     ex, rpc, xfer, transfers = g("execute_s"), g("execute_rpc_s"), g("transfer_s"), g("transfers")
