@@ -5,14 +5,19 @@ Queue lengths, KV blocks and the scheduler's counters are only known to the sche
 so they are fetched with GetStats at scrape time rather than pushed; the registry is
 per app so tests can build several gateways in one process.
 
-Names follow Prometheus' conventions: cumulative values are counters ending in
-``_total``, levels are gauges, durations are histograms in seconds.
+Names follow Prometheus' conventions (cumulative values are counters ending in
+``_total``, levels are gauges, durations are histograms in seconds), and the quantities
+vLLM also has are exported a second time under vLLM's names, types and labels
+(``vllm:num_requests_waiting{model_name=…,engine="0"}``…), because that is what the
+routers that pick a replica (llm-d, the Gateway API Inference Extension) and vLLM's
+dashboards read. The ``vllm:`` series are a view of the same samples, rendered in the
+same scrape, so the two never disagree. docs/metrics.md lists every series.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import (
@@ -39,9 +44,14 @@ STATUSES = ("stop", "length", "abort", "error", "rejected")
 # The *_created timestamp series double the exposition for no use here.
 disable_created_metrics()
 
-_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
-_ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5, 10)
-_E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+# vLLM's bucket boundaries (vllm/v1/metrics/buckets.py), so that a histogram_quantile()
+# or an SLO threshold written for vLLM reads the same from either name.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 COUNTER, GAUGE = "counter", "gauge"
 
@@ -129,6 +139,14 @@ SCHEDULER_SERIES: dict[str, Series] = {
     "uptime_s": _gauge(_S + "uptime_seconds", "Seconds since the scheduler started"),
 }
 
+# vLLM labels every series with the served model and its engine core; a replica here is
+# one engine, which vLLM numbers 0.
+VLLM_ENGINE = "0"
+# vLLM's finished_reason values (FinishReason); a request here never ends by "repetition",
+# but the series exists at 0 as it does in vLLM.
+VLLM_FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -147,22 +165,26 @@ class GatewayMetrics:
         )
         self.ttft = Histogram(
             "superinfer_time_to_first_token_seconds", "Arrival to first token",
-            buckets=_TTFT_BUCKETS, registry=r,
+            buckets=TTFT_BUCKETS, registry=r,
         )
         self.itl = Histogram(
             "superinfer_inter_token_latency_seconds", "Gap between consecutive tokens",
-            buckets=_ITL_BUCKETS, registry=r,
+            buckets=ITL_BUCKETS, registry=r,
         )
         self.e2e = Histogram(
             "superinfer_e2e_request_latency_seconds", "Arrival to last token",
-            buckets=_E2E_BUCKETS, registry=r,
+            buckets=E2E_BUCKETS, registry=r,
         )
         self.scheduler = SchedulerStatsCollector()
         r.register(self.scheduler)
+        self.vllm = VLLMView(self)
+        r.register(self.vllm)
 
-    def render(self, stats: scheduler_pb2.StatsReply | None) -> bytes:
-        """Exposition text; ``stats`` None means the scheduler did not answer."""
-        self.scheduler.stats = stats
+    def render(self, stats: scheduler_pb2.StatsReply | None, model_name: str | None) -> bytes:
+        """Exposition text; ``stats`` None means the scheduler did not answer, and
+        ``model_name`` None (not known yet) leaves out the vLLM-named series."""
+        self.scheduler.stats = self.vllm.stats = stats
+        self.vllm.model_name = model_name
         return generate_latest(self.registry)
 
 
@@ -229,6 +251,73 @@ def scheduler_families(counters: dict[str, float]) -> Iterator[Metric]:
         fam.add_metric([v for _, v in series.labels], counters[key])
     yield from families.values()
     yield from unknown
+
+
+class VLLMView(Collector):
+    """vLLM's names for the quantities both servers have, from the same samples.
+
+    What vLLM calls waiting is everything not on the device, so rotary requests count
+    as waiting: a router reading it sees the load a new request would queue behind.
+    """
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.metrics = metrics
+        self.stats: scheduler_pb2.StatsReply | None = None
+        self.model_name: str | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.model_name is None:
+            return
+        labels = {"model_name": self.model_name, "engine": VLLM_ENGINE}
+        names, values = list(labels), list(labels.values())
+        m, s = self.metrics, self.stats
+        if s is not None:
+            for name, help, value in [
+                ("vllm:num_requests_running", "Number of requests in model execution batches.",
+                 s.running),
+                ("vllm:num_requests_waiting", "Number of requests waiting to be processed "
+                 "(SuperInfer: waiting + rotary).", s.waiting + s.rotary),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage "
+                 "(SuperInfer: the device tier).",
+                 kv_usage(s.device_blocks_total, s.device_blocks_free)),
+            ]:
+                gauge = GaugeMetricFamily(name, help, labels=names)
+                gauge.add_metric(values, value)
+                yield gauge
+            preempted = CounterMetricFamily(
+                "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                labels=names)
+            preempted.add_metric(values, s.counters.get("preemptions", 0.0))
+            yield preempted
+        for ours, name, help in [
+            (m.prompt_tokens, "vllm:prompt_tokens", "Number of prefill tokens processed."),
+            (m.generation_tokens, "vllm:generation_tokens", "Number of generation tokens processed."),
+            (m.ttft, "vllm:time_to_first_token_seconds",
+             "Histogram of time to first token in seconds."),
+            (m.itl, "vllm:inter_token_latency_seconds",
+             "Histogram of inter-token latency in seconds."),
+            (m.e2e, "vllm:e2e_request_latency_seconds",
+             "Histogram of e2e request latency in seconds."),
+        ]:
+            yield from _renamed(ours.collect(), name, help, labels)
+        success = CounterMetricFamily(
+            "vllm:request_success", "Count of successfully processed requests.",
+            labels=[*names, "finished_reason"])
+        by_status = {s.labels["status"]: s.value for fam in m.requests.collect()
+                     for s in fam.samples if s.name.endswith("_total")}
+        for reason in VLLM_FINISHED_REASONS:
+            success.add_metric([*values, reason], by_status.get(reason, 0.0))
+        yield success
+
+
+def _renamed(families: Iterable[Metric], name: str, help: str, labels: dict[str, str]
+             ) -> Iterator[Metric]:
+    """Each sample of ``families`` under ``name`` (suffixes kept) with ``labels`` added."""
+    for fam in families:
+        out = Metric(name, help, fam.type)
+        for s in fam.samples:
+            out.add_sample(name + s.name[len(fam.name):], {**labels, **s.labels}, s.value)
+        yield out
 
 
 def _metric_name(name: str) -> str:
