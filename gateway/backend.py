@@ -109,6 +109,14 @@ class SchedulerBackend:
                          max_model_len=info.max_model_len, source=info.source_path)
         return self._model
 
+    @property
+    def served_name(self) -> str | None:
+        """The model's name for clients, once known: --served-model-name, else the
+        scheduler's answer (None until the first one)."""
+        if self._model is not None:
+            return self._model.served_name
+        return self.served_model_name
+
     async def warm_up(self, retry_s: float = 0.5) -> None:
         """Retry ``model()`` until the scheduler answers, so the first request is fast."""
         while self._model is None:

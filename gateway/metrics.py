@@ -4,12 +4,21 @@ Latencies are measured here, at the front door, because that is what a client se
 Queue lengths, KV blocks and the scheduler's counters are only known to the scheduler,
 so they are fetched with GetStats at scrape time rather than pushed; the registry is
 per app so tests can build several gateways in one process.
+
+Names follow Prometheus' conventions (cumulative values are counters ending in
+``_total``, levels are gauges, durations are histograms in seconds), and the quantities
+vLLM also has are exported a second time under vLLM's names, types and labels
+(``vllm:num_requests_waiting{model_name=…,engine="0"}``…), because that is what the
+routers that pick a replica (llm-d, the Gateway API Inference Extension) and vLLM's
+dashboards read. The ``vllm:`` series are a view of the same samples, rendered in the
+same scrape, so the two never disagree. docs/metrics.md lists every series.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import (
     CollectorRegistry,
@@ -18,7 +27,12 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    UnknownMetricFamily,
+)
 from prometheus_client.registry import Collector
 
 from proto import scheduler_pb2
@@ -30,9 +44,115 @@ STATUSES = ("stop", "length", "abort", "error", "rejected")
 # The *_created timestamp series double the exposition for no use here.
 disable_created_metrics()
 
-_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
-_ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5, 10)
-_E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+# vLLM's bucket boundaries (vllm/v1/metrics/buckets.py), so that a histogram_quantile()
+# or an SLO threshold written for vLLM reads the same from either name.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+COUNTER, GAUGE = "counter", "gauge"
+
+
+@dataclass(frozen=True, slots=True)
+class Series:
+    """How one entry of StatsReply.counters is exported."""
+
+    name: str  # the family; a counter's sample adds "_total"
+    kind: str  # COUNTER or GAUGE
+    help: str
+    labels: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def sample_name(self) -> str:
+        return self.name + "_total" if self.kind == COUNTER else self.name
+
+
+def _counter(name: str, help: str, **labels: str) -> Series:
+    return Series(name, COUNTER, help, tuple(labels.items()))
+
+
+def _gauge(name: str, help: str) -> Series:
+    return Series(name, GAUGE, help)
+
+
+_S = "superinfer_scheduler_"
+_BYTES = "KV-cache bytes moved between device and host, per direction"
+_COPY = "Time kvmem spent copying KV blocks, per direction"
+_LOSSES = "A peer came back with a new pool: tier device = a new worker, host = a new kvmem"
+_RESUMED = "Requests resumed after a pool loss: from host copies (swap_in) or by recompute"
+_TTFT = "Finished requests by whether their first token came within their TTFT SLO"
+_TBT = "Gaps between a request's consecutive tokens by whether they were within its TBT SLO"
+
+# Every statistic GetStats sends (SchedulerStats, EngineStats, LoopStats), by its key. A test checks
+# that the scheduler sends exactly these, so a new one cannot slip out as the wrong type.
+SCHEDULER_SERIES: dict[str, Series] = {
+    # the iteration loop
+    "iterations": _counter(_S + "iterations", "Iterations of the scheduling loop"),
+    "decision_s_total": _counter(_S + "decision_seconds", "Time spent in schedule() decisions"),
+    "decision_s_max": _gauge(_S + "decision_max_seconds", "Longest single schedule() decision"),
+    "executes": _counter(_S + "executes", "Batches the worker executed"),
+    "execute_s": _counter(_S + "execute_seconds", "Worker compute time of the executed batches"),
+    "execute_rpc_s": _counter(_S + "execute_rpc_seconds",
+                              "Wall time of Execute calls, RPC and queueing behind the batch "
+                              "in flight included"),
+    "execute_wait_s": _counter(_S + "execute_wait_seconds",
+                               "Time the engine step waited for a batch's output (pipelined: "
+                               "what planning and transfers did not hide)"),
+    # rotation (RotaSched)
+    "preemptions": _counter(_S + "preemptions",
+                            "Running requests taken off the device: rotated out or recomputed"),
+    "rotations": _counter(_S + "rotations", "Requests rotated out to the host pool"),
+    "recomputes": _counter(_S + "recomputes",
+                           "Preempted requests sent back to waiting to recompute their KV"),
+    "swap_out_blocks": _counter(_S + "swap_out_blocks", "KV blocks copied to the host at rotate-out"),
+    "swap_in_blocks": _counter(_S + "swap_in_blocks", "KV blocks copied to the device at swap-in"),
+    "eager_blocks": _counter(_S + "eager_blocks",
+                             "Full KV blocks copied to the host ahead of rotation (eager copies)"),
+    "freed_without_copy": _counter(_S + "freed_without_copy_blocks",
+                                   "Device blocks freed at rotate-out without a copy, thanks to "
+                                   "an eager copy"),
+    # transfers (DuplexKV)
+    "transfers": _counter(_S + "transfers", "Transfer batches sent to kvmem"),
+    "transfer_s": _counter(_S + "transfer_seconds", "Wall time of Transfer calls, RPC included"),
+    "transfer_wait_s": _counter(_S + "transfer_wait_seconds",
+                                "Time the engine step itself waited on transfers (pipelined: "
+                                "after-batch copies run beside the next batch)"),
+    "transfer_wait_max_s": _gauge(_S + "transfer_wait_max_seconds",
+                                  "Longest time one iteration waited on its transfers"),
+    "bytes_d2h": _counter(_S + "transfer_bytes", _BYTES, direction="d2h"),
+    "bytes_h2d": _counter(_S + "transfer_bytes", _BYTES, direction="h2d"),
+    "kvmem_d2h_s": _counter(_S + "kvmem_copy_seconds", _COPY, direction="d2h"),
+    "kvmem_h2d_s": _counter(_S + "kvmem_copy_seconds", _COPY, direction="h2d"),
+    # requests
+    "finished": _counter(_S + "finished", "Requests finished by stop or length"),
+    "aborted": _counter(_S + "aborted", "Requests aborted (client gone, error, shutdown)"),
+    "slo_ttft_met": _counter("superinfer_slo_ttft_requests", _TTFT, outcome="met"),
+    "slo_ttft_missed": _counter("superinfer_slo_ttft_requests", _TTFT, outcome="missed"),
+    "slo_tbt_met": _counter("superinfer_slo_tbt_gaps", _TBT, outcome="met"),
+    "slo_tbt_missed": _counter("superinfer_slo_tbt_gaps", _TBT, outcome="missed"),
+    # outages of the worker or kvmem (DESIGN 6)
+    "backend_errors": _counter(_S + "backend_errors", "Iterations that failed"),
+    "recoveries": _counter(_S + "recoveries",
+                           "Outages of the worker or kvmem recovered from without failing a "
+                           "request"),
+    "device_losses": _counter(_S + "pool_losses", _LOSSES, tier="device"),
+    "host_losses": _counter(_S + "pool_losses", _LOSSES, tier="host"),
+    "resumed_swap_in": _counter(_S + "resumed_requests", _RESUMED, via="swap_in"),
+    "resumed_recompute": _counter(_S + "resumed_requests", _RESUMED, via="recompute"),
+    "last_outage_s": _gauge(_S + "last_outage_seconds",
+                            "Length of the last outage, failed iteration to repaired state"),
+    "uptime_s": _gauge(_S + "uptime_seconds", "Seconds since the scheduler started"),
+}
+
+# vLLM labels every series with the served model and its engine core; a replica here is
+# one engine, which vLLM numbers 0.
+VLLM_ENGINE = "0"
+# vLLM's finished_reason values (FinishReason); a request here never ends by "repetition",
+# but the series exists at 0 as it does in vLLM.
+VLLM_FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 
 class GatewayMetrics:
@@ -45,34 +165,39 @@ class GatewayMetrics:
         for status in STATUSES:  # export zeros so rate() works from the first scrape
             self.requests.labels(status)
         self.prompt_tokens = Counter(
-            "superinfer_prompt_tokens", "Prompt tokens of admitted requests", registry=r
+            "superinfer_prompt_tokens", "Prompt tokens of requests that got a first token",
+            registry=r,
         )
         self.generation_tokens = Counter(
             "superinfer_generation_tokens", "Tokens generated", registry=r
         )
         self.ttft = Histogram(
             "superinfer_time_to_first_token_seconds", "Arrival to first token",
-            buckets=_TTFT_BUCKETS, registry=r,
+            buckets=TTFT_BUCKETS, registry=r,
         )
         self.itl = Histogram(
             "superinfer_inter_token_latency_seconds", "Gap between consecutive tokens",
-            buckets=_ITL_BUCKETS, registry=r,
+            buckets=ITL_BUCKETS, registry=r,
         )
         self.e2e = Histogram(
             "superinfer_e2e_request_latency_seconds", "Arrival to last token",
-            buckets=_E2E_BUCKETS, registry=r,
+            buckets=E2E_BUCKETS, registry=r,
         )
         self.scheduler = SchedulerStatsCollector()
         r.register(self.scheduler)
+        self.vllm = VLLMView(self)
+        r.register(self.vllm)
 
-    def render(self, stats: scheduler_pb2.StatsReply | None) -> bytes:
-        """Exposition text; ``stats`` None means the scheduler did not answer."""
-        self.scheduler.stats = stats
+    def render(self, stats: scheduler_pb2.StatsReply | None, model_name: str | None) -> bytes:
+        """Exposition text; ``stats`` None means the scheduler did not answer, and
+        ``model_name`` None (not known yet) leaves out the vLLM-named series."""
+        self.scheduler.stats = self.vllm.stats = stats
+        self.vllm.model_name = model_name
         return generate_latest(self.registry)
 
 
 class SchedulerStatsCollector(Collector):
-    """Gauges from the latest StatsReply (set just before each scrape)."""
+    """The latest StatsReply (set just before each scrape) as gauges and counters."""
 
     def __init__(self) -> None:
         self.stats: scheduler_pb2.StatsReply | None = None
@@ -93,23 +218,114 @@ class SchedulerStatsCollector(Collector):
             "device": (s.device_blocks_total, s.device_blocks_free),
             "host": (s.host_blocks_total, s.host_blocks_free),
         }
-        total = GaugeMetricFamily("superinfer_kv_blocks_total", "KV blocks per tier", labels=["tier"])
+        capacity = GaugeMetricFamily(
+            "superinfer_kv_blocks_capacity", "KV blocks per tier", labels=["tier"]
+        )
         free = GaugeMetricFamily("superinfer_kv_blocks_free", "Free KV blocks per tier", labels=["tier"])
         usage = GaugeMetricFamily(
             "superinfer_kv_usage_ratio", "Share of KV blocks in use per tier", labels=["tier"]
         )
         for tier, (n, f) in tiers.items():
-            total.add_metric([tier], n)
+            capacity.add_metric([tier], n)
             free.add_metric([tier], f)
-            usage.add_metric([tier], (n - f) / n if n > 0 else 0.0)
-        yield total
+            usage.add_metric([tier], kv_usage(n, f))
+        yield capacity
         yield free
         yield usage
-        for name, value in sorted(s.counters.items()):
-            metric = "superinfer_scheduler_" + _metric_name(name)
-            if metric == "superinfer_scheduler_up":
-                continue
-            yield GaugeMetricFamily(metric, f"Scheduler counter {name}", value=value)
+        yield from scheduler_families(s.counters)
+
+
+def kv_usage(total: int, free: int) -> float:
+    return (total - free) / total if total > 0 else 0.0
+
+
+def scheduler_families(counters: dict[str, float]) -> Iterator[Metric]:
+    """StatsReply.counters as typed families; keys this gateway does not know (a newer
+    scheduler) come out untyped rather than guessed."""
+    families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
+    unknown: list[Metric] = []
+    for key in sorted(counters):
+        series = SCHEDULER_SERIES.get(key)
+        if series is None:
+            unknown.append(UnknownMetricFamily(
+                _S + _metric_name(key), f"Scheduler statistic {key!r} (unknown to this gateway)",
+                value=counters[key]))
+            continue
+        fam = families.get(series.name)
+        if fam is None:
+            cls = CounterMetricFamily if series.kind == COUNTER else GaugeMetricFamily
+            fam = families[series.name] = cls(series.name, series.help,
+                                              labels=[k for k, _ in series.labels])
+        fam.add_metric([v for _, v in series.labels], counters[key])
+    yield from families.values()
+    yield from unknown
+
+
+class VLLMView(Collector):
+    """vLLM's names for the quantities both servers have, from the same samples.
+
+    What vLLM calls waiting is everything not on the device, so rotary requests count
+    as waiting: a router reading it sees the load a new request would queue behind.
+    """
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.metrics = metrics
+        self.stats: scheduler_pb2.StatsReply | None = None
+        self.model_name: str | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.model_name is None:
+            return
+        labels = {"model_name": self.model_name, "engine": VLLM_ENGINE}
+        names, values = list(labels), list(labels.values())
+        m, s = self.metrics, self.stats
+        if s is not None:
+            for name, help, value in [
+                ("vllm:num_requests_running", "Number of requests in model execution batches.",
+                 s.running),
+                ("vllm:num_requests_waiting", "Number of requests waiting to be processed "
+                 "(SuperInfer: waiting + rotary).", s.waiting + s.rotary),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage "
+                 "(SuperInfer: the device tier).",
+                 kv_usage(s.device_blocks_total, s.device_blocks_free)),
+            ]:
+                gauge = GaugeMetricFamily(name, help, labels=names)
+                gauge.add_metric(values, value)
+                yield gauge
+            preempted = CounterMetricFamily(
+                "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                labels=names)
+            preempted.add_metric(values, s.counters.get("preemptions", 0.0))
+            yield preempted
+        for ours, name, help in [
+            (m.prompt_tokens, "vllm:prompt_tokens", "Number of prefill tokens processed."),
+            (m.generation_tokens, "vllm:generation_tokens", "Number of generation tokens processed."),
+            (m.ttft, "vllm:time_to_first_token_seconds",
+             "Histogram of time to first token in seconds."),
+            (m.itl, "vllm:inter_token_latency_seconds",
+             "Histogram of inter-token latency in seconds."),
+            (m.e2e, "vllm:e2e_request_latency_seconds",
+             "Histogram of e2e request latency in seconds."),
+        ]:
+            yield from _renamed(ours.collect(), name, help, labels)
+        success = CounterMetricFamily(
+            "vllm:request_success", "Count of successfully processed requests.",
+            labels=[*names, "finished_reason"])
+        by_status = {s.labels["status"]: s.value for fam in m.requests.collect()
+                     for s in fam.samples if s.name.endswith("_total")}
+        for reason in VLLM_FINISHED_REASONS:
+            success.add_metric([*values, reason], by_status.get(reason, 0.0))
+        yield success
+
+
+def _renamed(families: Iterable[Metric], name: str, help: str, labels: dict[str, str]
+             ) -> Iterator[Metric]:
+    """Each sample of ``families`` under ``name`` (suffixes kept) with ``labels`` added."""
+    for fam in families:
+        out = Metric(name, help, fam.type)
+        for s in fam.samples:
+            out.add_sample(name + s.name[len(fam.name):], {**labels, **s.labels}, s.value)
+        yield out
 
 
 def _metric_name(name: str) -> str:

@@ -42,4 +42,5 @@ async def metrics(request: Request) -> Response:
         stats = await ctx.backend.stats()
     except APIError:
         stats = None  # still export the gateway's own series, with scheduler_up 0
-    return Response(ctx.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+    return Response(ctx.metrics.render(stats, ctx.backend.served_name),
+                    media_type=CONTENT_TYPE_LATEST)

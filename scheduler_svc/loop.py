@@ -64,12 +64,35 @@ class LoopStats:
     resumed_swap_in: int = 0  # requests resumed from host copies after a loss
     resumed_recompute: int = 0  # requests that recompute all their tokens after a loss
     last_outage_s: float = 0.0  # failed iteration -> peers back and state repaired
+    # SLO attainment (DESIGN 8) against each request's own SLOs, on the scheduler's clock.
+    slo_ttft_met: int = 0  # finished requests whose first token came within S_B
+    slo_ttft_missed: int = 0  # ... after it, or none came before S_B ran out
+    slo_tbt_met: int = 0  # gaps between consecutive tokens within the request's S_F
+    slo_tbt_missed: int = 0
     started: float = field(default_factory=time.monotonic)
 
     def as_dict(self) -> dict[str, float]:
         d = {f.name: float(getattr(self, f.name)) for f in fields(self) if f.name != "started"}
         d["uptime_s"] = time.monotonic() - self.started
         return d
+
+    def count_slo(self, req: Request, now: float) -> None:
+        """Add a finished request to the SLO counters.
+
+        A request that ended before its first token counts as a TTFT miss only once its
+        budget had run out: a client that gives up after 0.1 s says nothing about S_B.
+        """
+        if req.first_token_time is not None:
+            if req.first_token_time - req.arrival_time <= req.slo.ttft_s:
+                self.slo_ttft_met += 1
+            else:
+                self.slo_ttft_missed += 1
+        elif now - req.arrival_time > req.slo.ttft_s:
+            self.slo_ttft_missed += 1
+        t = req.token_times
+        missed = sum(1 for a, b in zip(t, t[1:], strict=False) if b - a > req.slo.tbt_s)
+        self.slo_tbt_missed += missed
+        self.slo_tbt_met += max(len(t) - 1, 0) - missed
 
 
 @dataclass(slots=True)
@@ -240,6 +263,7 @@ class ServingLoop:
                error: str | None = None) -> None:
         why = reason or (req.finish_reason.value if req.finish_reason else "abort")
         summary = req.summary(now)
+        self.stats.count_slo(req, now)
         if self.trace is not None:
             self.trace.request_done(req, now)
         log.info("finish", finish_reason=why, **summary)

@@ -80,7 +80,7 @@ class Stack:
         while True:
             m = self.metrics()
             free = {t: (m[("superinfer_kv_blocks_free", (("tier", t),))],
-                        m[("superinfer_kv_blocks_total", (("tier", t),))]) for t in ("device", "host")}
+                        m[("superinfer_kv_blocks_capacity", (("tier", t),))]) for t in ("device", "host")}
             live = sum(m[(f"superinfer_requests_{s}", ())] for s in ("running", "waiting", "rotary"))
             with self.http() as h:
                 in_flight = h.get("/health").json()["in_flight"]

@@ -28,6 +28,25 @@ def test_summarize_reads_the_schedulers_counters() -> None:
     assert s["ttft_attainment"] == row["ttft_attainment"]
 
 
+def test_summarize_reads_the_counters_under_their_prometheus_names() -> None:
+    """Passes recorded since the scheduler's statistics became counters (the file above
+    holds them as the gauges they were)."""
+    m = "superinfer_scheduler_"
+    delta = {f"{m}iterations_total": 10.0, f"{m}transfers_total": 4.0,
+             f"{m}transfer_seconds_total": 0.2, f"{m}execute_rpc_seconds_total": 1.7,
+             f"{m}decision_seconds_total": 0.1, f"{m}rotations_total": 3.0,
+             f"{m}transfer_bytes_total{{direction=d2h}}": 2.0 * 2**20,
+             f"{m}transfer_bytes_total{{direction=h2d}}": 2.0**20,
+             f"{m}kvmem_copy_seconds_total{{direction=d2h}}": 0.03,
+             f"{m}kvmem_copy_seconds_total{{direction=h2d}}": 0.01}
+    s = summarize("duplex", {"stats": {"server_metrics_delta": delta}})
+    assert (s["iterations"], s["transfer_batches"], s["rotations"]) == (10, 4, 3)
+    assert (s["mib_d2h"], s["mib_h2d"]) == (2.0, 1.0)
+    assert s["wait_per_batch_ms"] == pytest.approx(50.0)
+    assert s["share_of_iteration_time"] == pytest.approx(0.1)
+    assert s["kvmem_copy_s"] == pytest.approx(0.04)
+
+
 def test_a_pass_without_server_metrics_is_refused() -> None:
     with pytest.raises(ValueError, match="server_metrics_delta"):
         summarize("duplex", {"stats": {}})

@@ -179,7 +179,7 @@ def _wait_all_blocks_free(stack: Stack, timeout_s: float = 15.0) -> dict[Any, fl
     while True:
         m = stack.metrics()
         free = m[("superinfer_kv_blocks_free", (("tier", "device"),))]
-        total = m[("superinfer_kv_blocks_total", (("tier", "device"),))]
+        total = m[("superinfer_kv_blocks_capacity", (("tier", "device"),))]
         busy = m[("superinfer_requests_running", ())] + m[("superinfer_requests_waiting", ())]
         if free == total and busy == 0:
             return m
@@ -505,15 +505,15 @@ def test_metrics_expose_the_listed_series(stack: Stack) -> None:
         "superinfer_generation_tokens_total", "superinfer_time_to_first_token_seconds_bucket",
         "superinfer_inter_token_latency_seconds_bucket", "superinfer_e2e_request_latency_seconds_bucket",
         "superinfer_requests_running", "superinfer_requests_waiting", "superinfer_requests_rotary",
-        "superinfer_kv_blocks_total", "superinfer_kv_blocks_free", "superinfer_kv_usage_ratio",
-        "superinfer_scheduler_rotations", "superinfer_scheduler_swap_in_blocks",
-        "superinfer_scheduler_swap_out_blocks", "superinfer_scheduler_eager_blocks",
-        "superinfer_scheduler_recomputes", "superinfer_scheduler_preemptions",
+        "superinfer_kv_blocks_capacity", "superinfer_kv_blocks_free", "superinfer_kv_usage_ratio",
+        "superinfer_scheduler_rotations_total", "superinfer_scheduler_swap_in_blocks_total",
+        "superinfer_scheduler_swap_out_blocks_total", "superinfer_scheduler_eager_blocks_total",
+        "superinfer_scheduler_recomputes_total", "superinfer_scheduler_preemptions_total",
     ]:
         assert name in names, name
     m = stack.metrics()
-    assert m[("superinfer_kv_blocks_total", (("tier", "device"),))] == DEVICE_BLOCKS
-    assert m[("superinfer_kv_blocks_total", (("tier", "host"),))] > 0
+    assert m[("superinfer_kv_blocks_capacity", (("tier", "device"),))] == DEVICE_BLOCKS
+    assert m[("superinfer_kv_blocks_capacity", (("tier", "host"),))] > 0
     for status in ("stop", "length", "abort", "rejected", "error"):
         assert ("superinfer_requests_total", (("status", status),)) in m
     assert m[("superinfer_time_to_first_token_seconds_count", ())] > 0

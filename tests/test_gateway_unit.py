@@ -185,6 +185,7 @@ def test_no_scheduler_means_503_everywhere_but_metrics(tmp_path: Path) -> None:
         assert r.status_code == 400  # validation needs no scheduler
         r = await c.get("/metrics")
         assert r.status_code == 200 and "superinfer_scheduler_up 0.0" in r.text
+        assert "vllm:" not in r.text  # no model name to label them with yet
         r = await c.get("/livez")  # the supervisor's liveness check: the gateway itself runs
         assert r.status_code == 200 and r.json() == {"status": "alive"}
 
@@ -373,6 +374,7 @@ def test_metrics_mirror_scheduler_stats(tmp_path: Path) -> None:
         await c.post("/v1/completions", json={"prompt": "hello"})
         await c.post("/v1/completions", json={"prompt": "x", "n": 2})
         text = (await c.get("/metrics")).text
+        vllm = 'engine="0",model_name="tiny"'
         for line in [
             'superinfer_requests_total{status="stop"} 1.0',
             'superinfer_requests_total{status="rejected"} 1.0',
@@ -382,11 +384,20 @@ def test_metrics_mirror_scheduler_stats(tmp_path: Path) -> None:
             'superinfer_kv_blocks_free{tier="device"} 75.0',
             'superinfer_kv_usage_ratio{tier="device"} 0.25',
             'superinfer_kv_usage_ratio{tier="host"} 0.0',
-            "superinfer_scheduler_rotations 3.0",
-            "superinfer_scheduler_swap_in_blocks 7.0",
+            "# TYPE superinfer_scheduler_rotations_total counter",
+            "superinfer_scheduler_rotations_total 3.0",
+            "superinfer_scheduler_swap_in_blocks_total 7.0",
+            # A statistic this gateway has no entry for is passed on, untyped.
+            "# TYPE superinfer_scheduler_odd_name untyped",
             "superinfer_scheduler_odd_name 1.0",
             "superinfer_time_to_first_token_seconds_count 1.0",
             "superinfer_inter_token_latency_seconds_count 4.0",
+            # The same quantities under vLLM's names, labelled with the served model.
+            f"vllm:num_requests_running{{{vllm}}} 1.0",
+            f"vllm:kv_cache_usage_perc{{{vllm}}} 0.25",
+            f"vllm:generation_tokens_total{{{vllm}}} 5.0",
+            'vllm:request_success_total{engine="0",finished_reason="stop",model_name="tiny"} 1.0',
+            f"vllm:inter_token_latency_seconds_count{{{vllm}}} 4.0",
         ]:
             assert line in text, line
 

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from superinfer.bench.report import table, write_json
+from superinfer.bench.server_stats import scheduler_stat
 
 MODES = ["layer-first", "block-first", "duplex"]
-_M = "superinfer_scheduler_"
 COLUMNS = ["mode", "iterations", "transfer_batches", "transfer_wait_s", "wait_per_iteration_ms",
            "wait_per_batch_ms", "share_of_iteration_time", "mib_d2h", "mib_h2d",
            "kvmem_copy_s", "rotations", "ttft_attainment", "tbt_attainment"]
@@ -45,7 +45,7 @@ def summarize(mode: str, row: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"{mode}: the pass has no server /metrics deltas (stats.server_metrics_delta)")
 
     def g(key: str) -> float:
-        return float(m.get(_M + key, 0.0))
+        return scheduler_stat(m, key) or 0.0
 
     its, batches, wait = g("iterations"), g("transfers"), g("transfer_s")
     busy = g("execute_rpc_s") + wait + g("decision_s_total")  # the loop's working time

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from common.daemon import free_port
+from superinfer.bench.server_stats import scheduler_stat
 from superinfer.sim.engine import SimConfig, Simulator
 from superinfer.sim.profile import PROFILE_DIR, load_hardware, load_model
 
@@ -382,7 +383,7 @@ def measure_serving(hw_isolated: Any, timeout_s: float) -> dict[str, Any]:
     m = real["stats"]["server_metrics_delta"]
 
     def g(key: str) -> float:
-        return float(m.get(f"superinfer_scheduler_{key}", 0.0))
+        return scheduler_stat(m, key) or 0.0
 
     executes = g("executes")
     if not executes:

@@ -37,6 +37,7 @@ from typing import Any
 
 from common.config import EngineConfig
 from common.errors import SuperInferError
+from superinfer.bench.server_stats import scheduler_stat
 from superinfer.sim.engine import SimConfig, SimResult, SimulationError, Simulator
 from superinfer.sim.plots import attainment_figure
 from superinfer.sim.profile import HardwareProfile, ModelProfile, load_hardware, load_model
@@ -165,8 +166,7 @@ def _per_iteration(real: dict[str, Any], sim_stats: dict[str, Any]) -> dict[str,
     m = (real.get("stats") or {}).get("server_metrics_delta") or {}
 
     def g(key: str) -> float | None:
-        v = m.get(f"superinfer_scheduler_{key}")
-        return None if v is None else float(v)
+        return scheduler_stat(m, key)
 
     executes, iters = g("executes"), g("iterations")
     ex, rpc, xfer, transfers = g("execute_s"), g("execute_rpc_s"), g("transfer_s"), g("transfers")

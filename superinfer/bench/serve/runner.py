@@ -93,7 +93,8 @@ def metrics_url(base_url: str) -> str:
 
 
 async def scrape(url: str | None) -> dict[str, float] | None:
-    """superinfer_* counters and scheduler gauges, or None where the server has none."""
+    """superinfer_* counters (the gateway's and the scheduler's), or None where the server
+    has none."""
     if not url:
         return None
     from prometheus_client.parser import text_string_to_metric_families
@@ -106,10 +107,7 @@ async def scrape(url: str | None) -> dict[str, float] | None:
         out: dict[str, float] = {}
         for fam in text_string_to_metric_families(r.text):
             for s in fam.samples:
-                # Counters, and the scheduler's cumulative counters (exported as gauges).
-                if not (fam.type == "counter" and s.name.startswith("superinfer_")
-                        or s.name.startswith("superinfer_scheduler_")
-                        and not s.name.endswith(("_up", "_max", "uptime_s"))):
+                if not (fam.type == "counter" and s.name.startswith("superinfer_")):
                     continue
                 labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
                 out[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)

@@ -19,6 +19,7 @@ import numpy as np
 
 from superinfer.bench.report import table
 from superinfer.bench.serve.stream import StreamOutcome
+from superinfer.bench.server_stats import scheduler_stat
 from superinfer.slo_metrics import RequestRecord, compute_metrics
 from superinfer.workload import TraceRequest
 
@@ -58,7 +59,7 @@ def result_row(
     m = compute_metrics(records, duration_s).as_dict()
     row: dict[str, Any] = {"policy": label, "base_policy": None, "rps": rps}
     row.update({k: m[k] for k in SIM_KEYS})
-    rotations = server.get("superinfer_scheduler_rotations")
+    rotations = scheduler_stat(server, "rotations")
     row["rotations"] = None if rotations is None else int(rotations)
     completed = [o for o in outcomes if o.ok]
     wall = end - start

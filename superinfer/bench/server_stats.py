@@ -1,0 +1,23 @@
+"""The scheduler's statistics in a bench result's server /metrics deltas.
+
+`bench serve` records the deltas of the server's counters by sample name
+(``superinfer_scheduler_transfer_bytes_total{direction=d2h}``); its readers want them by
+the scheduler's own key (``bytes_d2h``). Results written before the scheduler's
+cumulative statistics became Prometheus counters hold them as gauges named
+``superinfer_scheduler_<key>``; those files are read too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from gateway.metrics import SCHEDULER_SERIES
+
+
+def scheduler_stat(delta: Mapping[str, float], key: str) -> float | None:
+    """The change of GetStats' ``key`` over a pass, or None where the result has none."""
+    series = SCHEDULER_SERIES[key]
+    labels = ",".join(f"{k}={v}" for k, v in sorted(series.labels))
+    name = f"{series.sample_name}{{{labels}}}" if labels else series.sample_name
+    value = delta.get(name, delta.get(f"superinfer_scheduler_{key}"))
+    return None if value is None else float(value)
