@@ -5,8 +5,10 @@ turns them into proto messages and back:
 
 * `TransferPlan` — block copies between the device and host pools under one fence
   (scheduler → kvmem).
-* `ScheduledChunk` — one request's tokens to compute this iteration (scheduler → worker).
-* `ExecuteResult` — the tokens a batch sampled (worker → scheduler), and
+* `ScheduledChunk` — one request's tokens to compute this iteration (scheduler → worker),
+  with what its sampling needs (`SamplingState`, `Grammar`).
+* `ExecuteResult` — the tokens a batch sampled and their `TokenLogprob`s (worker →
+  scheduler), and
   `TransferResult` — what a transfer batch cost (kvmem → scheduler).
 * `KVShape` — the block-first pool's shape, which the worker's pool handle carries.
 """
@@ -53,6 +55,43 @@ class TransferPlan:
 PLACEHOLDER = -1
 
 
+@dataclass(slots=True, frozen=True)
+class Grammar:
+    """A constraint on a request's output, in a form no grammar library owns
+    (`common/grammar.py` turns it into the library's)."""
+
+    kind: str  # one of GRAMMAR_KINDS
+    spec: str  # a JSON schema, a regex, a JSON list of choices or a Lark grammar ("" for json_object)
+
+
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
+
+
+@dataclass(slots=True)
+class SamplingState:
+    """What the worker needs to (re)build the sampling state of a request whose tokens
+    change its logits (penalties, logit bias, a grammar). The worker keeps that state
+    between batches as a cache; the scheduler sends this with the request's first sampling
+    chunk and again whenever the worker may have lost it (a new worker, a batch that never
+    landed), so a restarted worker needs nothing but what the scheduler sends (DESIGN §6)."""
+
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    grammar: Grammar | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)  # only for repetition_penalty
+    output_token_ids: list[int] = field(default_factory=list)  # those the scheduler knows
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """A token's log-probability under the model (before any penalty, bias or grammar
+    mask: vLLM's raw logprobs), and the most likely tokens at that position."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
 @dataclass(slots=True)
 class ScheduledChunk:
     """Tokens of one request to run this iteration (a prefill chunk or one decode token)."""
@@ -71,12 +110,30 @@ class ScheduledChunk:
     top_k: int = 0
     seed: int | None = None
     output_index: int = 0  # tokens generated so far; with `seed`, makes sampling repeatable
+    # Penalties as vLLM defines them: presence and frequency over the output tokens,
+    # repetition over prompt and output tokens.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Logprobs of the sampled token: -1 none; k >= 0: its own and the k most likely.
+    logprobs: int = -1
+    # Echo: row i of the chunk (position start_pos + i) scores prompt_logprob_targets[i],
+    # the prompt token after it (with `logprobs` most likely tokens, at least 0).
+    prompt_logprob_targets: list[int] = field(default_factory=list)
+    # Its logits depend on its own tokens (penalties, logit bias, grammar): the worker keeps
+    # per-request state, rebuilt from `state` when given (see SamplingState).
+    stateful: bool = False
+    state: SamplingState | None = None
 
 
 @dataclass(slots=True)
 class ExecuteResult:
     sampled: dict[str, int]  # request_id -> sampled token id (only chunks with sample=True)
     execute_s: float = 0.0
+    # request_id -> the sampled token's logprobs (chunks with logprobs >= 0)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # request_id -> one entry per prompt_logprob_targets entry of its chunk
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -6,8 +6,17 @@ a gRPC round trip costs ~0.5 ms here (DESIGN §5), so the message count is what 
 
 from __future__ import annotations
 
-from common.contracts import ExecuteResult, ScheduledChunk, TransferPlan
-from proto import kvmem_pb2, worker_pb2
+from collections.abc import Iterable
+
+from common.contracts import (
+    ExecuteResult,
+    Grammar,
+    SamplingState,
+    ScheduledChunk,
+    TokenLogprob,
+    TransferPlan,
+)
+from proto import common_pb2, kvmem_pb2, worker_pb2
 
 
 def chunk_to_proto(c: ScheduledChunk) -> worker_pb2.Chunk:
@@ -21,9 +30,18 @@ def chunk_to_proto(c: ScheduledChunk) -> worker_pb2.Chunk:
         top_p=c.top_p,
         top_k=c.top_k,
         output_index=c.output_index,
+        presence_penalty=c.presence_penalty,
+        frequency_penalty=c.frequency_penalty,
+        repetition_penalty=c.repetition_penalty,
+        prompt_logprob_targets=c.prompt_logprob_targets,
+        stateful=c.stateful,
     )
     if c.seed is not None:
         msg.seed = c.seed
+    if c.logprobs >= 0:
+        msg.logprobs = c.logprobs
+    if c.state is not None:
+        msg.state.CopyFrom(state_to_proto(c.state))
     return msg
 
 
@@ -39,11 +57,69 @@ def chunk_from_proto(m: worker_pb2.Chunk) -> ScheduledChunk:
         top_k=m.top_k,
         seed=m.seed if m.HasField("seed") else None,
         output_index=m.output_index,
+        presence_penalty=m.presence_penalty,
+        frequency_penalty=m.frequency_penalty,
+        repetition_penalty=m.repetition_penalty,
+        logprobs=m.logprobs if m.HasField("logprobs") else -1,
+        prompt_logprob_targets=list(m.prompt_logprob_targets),
+        stateful=m.stateful,
+        state=state_from_proto(m.state) if m.HasField("state") else None,
     )
 
 
+def grammar_to_proto(g: Grammar | None) -> common_pb2.Grammar:
+    return common_pb2.Grammar() if g is None else common_pb2.Grammar(kind=g.kind, spec=g.spec)
+
+
+def grammar_from_proto(m: common_pb2.Grammar) -> Grammar | None:
+    return Grammar(m.kind, m.spec) if m.kind else None
+
+
+def state_to_proto(s: SamplingState) -> common_pb2.SamplingState:
+    return common_pb2.SamplingState(
+        logit_bias=s.logit_bias, grammar=grammar_to_proto(s.grammar),
+        prompt_token_ids=s.prompt_token_ids, output_token_ids=s.output_token_ids,
+    )
+
+
+def state_from_proto(m: common_pb2.SamplingState) -> SamplingState:
+    return SamplingState(
+        logit_bias=dict(m.logit_bias), grammar=grammar_from_proto(m.grammar),
+        prompt_token_ids=list(m.prompt_token_ids), output_token_ids=list(m.output_token_ids),
+    )
+
+
+def logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                                   top_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
+
+
+def logprob_from_proto(m: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(m.token_id, m.logprob, list(m.top_ids), list(m.top_logprobs))
+
+
+def logprobs_to_proto(lps: Iterable[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
+    return [logprob_to_proto(lp) for lp in lps]
+
+
+def result_to_proto(r: ExecuteResult) -> worker_pb2.ExecuteReply:
+    reply = worker_pb2.ExecuteReply(
+        request_ids=list(r.sampled), token_ids=list(r.sampled.values()), execute_s=r.execute_s,
+    )
+    for rid, lp in r.logprobs.items():
+        reply.logprobs[rid].CopyFrom(logprob_to_proto(lp))
+    for rid, lps in r.prompt_logprobs.items():
+        reply.prompt_logprobs[rid].tokens.extend(logprobs_to_proto(lps))
+    return reply
+
+
 def result_from_proto(m: worker_pb2.ExecuteReply) -> ExecuteResult:
-    return ExecuteResult(sampled=dict(zip(m.request_ids, m.token_ids)), execute_s=m.execute_s)
+    return ExecuteResult(
+        sampled=dict(zip(m.request_ids, m.token_ids)), execute_s=m.execute_s,
+        logprobs={rid: logprob_from_proto(lp) for rid, lp in m.logprobs.items()},
+        prompt_logprobs={rid: [logprob_from_proto(t) for t in p.tokens]
+                         for rid, p in m.prompt_logprobs.items()},
+    )
 
 
 def _pairs(pairs: list[tuple[int, int]]) -> kvmem_pb2.BlockPairs:

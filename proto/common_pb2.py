@@ -24,15 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/common.proto\x12\nsuperinfer\"\x9f\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"$\n\x03SLO\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\r\n\x05tbt_s\x18\x02 \x01(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/common.proto\x12\nsuperinfer\"\xc4\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x02\x12=\n\nlogit_bias\x18\x0b \x03(\x0b\x32).superinfer.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x01\x88\x01\x01\x12\x17\n\x0fprompt_logprobs\x18\r \x01(\x08\x12$\n\x07grammar\x18\x0e \x01(\x0b\x32\x13.superinfer.Grammar\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"%\n\x07Grammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xd9\x01\n\rSamplingState\x12<\n\nlogit_bias\x18\x01 \x03(\x0b\x32(.superinfer.SamplingState.LogitBiasEntry\x12$\n\x07grammar\x18\x02 \x01(\x0b\x32\x13.superinfer.Grammar\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x04 \x03(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"$\n\x03SLO\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\r\n\x05tbt_s\x18\x02 \x01(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_SAMPLINGSTATE_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGSTATE_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=35
-  _globals['_SAMPLINGPARAMS']._serialized_end=194
-  _globals['_SLO']._serialized_start=196
-  _globals['_SLO']._serialized_end=232
+  _globals['_SAMPLINGPARAMS']._serialized_end=487
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=417
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=465
+  _globals['_GRAMMAR']._serialized_start=489
+  _globals['_GRAMMAR']._serialized_end=526
+  _globals['_TOKENLOGPROB']._serialized_start=528
+  _globals['_TOKENLOGPROB']._serialized_end=616
+  _globals['_SAMPLINGSTATE']._serialized_start=619
+  _globals['_SAMPLINGSTATE']._serialized_end=836
+  _globals['_SAMPLINGSTATE_LOGITBIASENTRY']._serialized_start=417
+  _globals['_SAMPLINGSTATE_LOGITBIASENTRY']._serialized_end=465
+  _globals['_SLO']._serialized_start=838
+  _globals['_SLO']._serialized_end=874
 # @@protoc_insertion_point(module_scope)

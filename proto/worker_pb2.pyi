@@ -1,3 +1,4 @@
+from proto import common_pb2 as _common_pb2
 from proto import scheduler_pb2 as _scheduler_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -8,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Chunk(_message.Message):
-    __slots__ = ("request_id", "token_ids", "start_pos", "block_table", "sample", "temperature", "top_p", "top_k", "seed", "output_index")
+    __slots__ = ("request_id", "token_ids", "start_pos", "block_table", "sample", "temperature", "top_p", "top_k", "seed", "output_index", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprob_targets", "stateful", "state")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +20,13 @@ class Chunk(_message.Message):
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROB_TARGETS_FIELD_NUMBER: _ClassVar[int]
+    STATEFUL_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start_pos: int
@@ -29,29 +37,62 @@ class Chunk(_message.Message):
     top_k: int
     seed: int
     output_index: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., output_index: _Optional[int] = ...) -> None: ...
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logprobs: int
+    prompt_logprob_targets: _containers.RepeatedScalarFieldContainer[int]
+    stateful: bool
+    state: _common_pb2.SamplingState
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., output_index: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., prompt_logprob_targets: _Optional[_Iterable[int]] = ..., stateful: _Optional[bool] = ..., state: _Optional[_Union[_common_pb2.SamplingState, _Mapping]] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("iteration", "chunks", "pool_id", "after_iteration")
+    __slots__ = ("iteration", "chunks", "pool_id", "after_iteration", "released")
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     AFTER_ITERATION_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
     iteration: int
     chunks: _containers.RepeatedCompositeFieldContainer[Chunk]
     pool_id: str
     after_iteration: int
-    def __init__(self, iteration: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., pool_id: _Optional[str] = ..., after_iteration: _Optional[int] = ...) -> None: ...
+    released: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, iteration: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., pool_id: _Optional[str] = ..., after_iteration: _Optional[int] = ..., released: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PromptLogprobs(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ExecuteReply(_message.Message):
-    __slots__ = ("request_ids", "token_ids", "execute_s")
+    __slots__ = ("request_ids", "token_ids", "execute_s", "logprobs", "prompt_logprobs")
+    class LogprobsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _common_pb2.TokenLogprob
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
+    class PromptLogprobsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: PromptLogprobs
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_S_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     execute_s: float
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., execute_s: _Optional[float] = ...) -> None: ...
+    logprobs: _containers.MessageMap[str, _common_pb2.TokenLogprob]
+    prompt_logprobs: _containers.MessageMap[str, PromptLogprobs]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., execute_s: _Optional[float] = ..., logprobs: _Optional[_Mapping[str, _common_pb2.TokenLogprob]] = ..., prompt_logprobs: _Optional[_Mapping[str, PromptLogprobs]] = ...) -> None: ...
 
 class KVPoolRequest(_message.Message):
     __slots__ = ()

@@ -20,6 +20,9 @@ Executes in flight (`begin_execute` / `end_execute`): a device block released wh
 batch that may read or write it is still running is *compute-only* until that batch ends.
 The worker runs batches in order, so the next batch may write it; a swap-in, whose H2D
 copy runs beside the batch in flight, may not.
+
+Shared blocks (n choices of one prompt, `fork`): a device block may have several owners
+(`SharedBlocks`); releasing it drops one, and only the last owner's release frees it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 
 from common.contracts import TransferPlan
 from scheduler_svc.request import Request, RequestState
+from scheduler_svc.shared_blocks import SharedBlocks
 
 
 class BlockAllocator:
@@ -108,6 +112,7 @@ class BlockManager:
         self._executing: list[int] = []  # iterations whose batch is in flight, in order
         self._held: dict[int, list[int]] = {}  # compute-only blocks, by the batch they wait for
         self._num_held = 0
+        self._shared = SharedBlocks()
 
     # -- sizes ---------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -144,6 +149,28 @@ class BlockManager:
         t = self._tables.get(req.request_id)
         return 0 if t is None else len(t.device) - t.device.count(None)
 
+    @property
+    def num_used_device(self) -> int:
+        """Device blocks in use (a block shared by several requests counts once)."""
+        return self.device.num_blocks - self.device.num_free
+
+    @property
+    def num_shared_device(self) -> int:
+        """Device blocks owned by more than one request."""
+        return len(self._shared)
+
+    def fork(self, leader: Request, follower: Request, num_blocks: int) -> None:
+        """The follower's table starts with the leader's first `num_blocks` device blocks,
+        shared (their content must be final: full blocks the leader has settled)."""
+        if follower.request_id in self._tables:
+            raise RuntimeError(f"{follower.request_id} holds blocks already; it cannot fork")
+        src = self._tables[leader.request_id].device[:num_blocks]
+        if len(src) < num_blocks or None in src:
+            raise RuntimeError(f"{leader.request_id} does not hold {num_blocks} device blocks")
+        blocks: list[int] = src  # type: ignore[assignment]  # no None in it: checked above
+        self._shared.share(blocks)
+        self._tables[follower.request_id] = BlockTable(device=list(blocks), host=[None] * num_blocks)
+
     def num_synced(self, req: Request) -> int:
         """Full blocks whose KV no batch in flight still writes: their content is final."""
         return req.num_settled_tokens // self.block_size
@@ -171,7 +198,10 @@ class BlockManager:
 
     def _release_device(self, blocks: list[int]) -> None:
         """Return device blocks: to the free list; to the open fence if a D2H reads them; or
-        compute-only while a batch that may touch them is in flight."""
+        compute-only while a batch that may touch them is in flight. A shared block only
+        loses an owner."""
+        if self._shared:
+            blocks = self._shared.unowned(blocks)
         if not self._open_busy and not self._executing:
             self.device.free(blocks)
             return
@@ -334,9 +364,11 @@ class BlockManager:
                 continue
             if i in to_copy:
                 plan.swap_out.append((d, t.host[i]))  # type: ignore[arg-type]
-                pending.append(d)  # reusable once the copy has read it
                 self._open_busy.add(d)
                 copied += 1
+                if self._shared.drop(d):
+                    continue  # others own it: not freed (nor written, being full)
+                pending.append(d)  # reusable once the copy has read it
             else:
                 self._release_device([d])
                 freed += 1
@@ -409,15 +441,23 @@ class BlockManager:
             ("host", self.host, self._pending_host, "host"),
         ):
             owner: dict[int, str] = {}
+            owners: dict[int, int] = {}
             for rid, t in self._tables.items():
                 for b in getattr(t, col):
                     if b is None:
                         continue
+                    owners[b] = owners.get(b, 0) + 1
                     if b in owner:
+                        if tier == "device" and owners[b] <= self._shared.owners(b):
+                            continue  # shared (fork)
                         raise AssertionError(f"{tier} block {b} owned by {owner[b]} and {rid}")
                     if alloc.is_free(b):
                         raise AssertionError(f"{tier} block {b} of {rid} is on the free list")
                     owner[b] = rid
+            if tier == "device":
+                wrong = [b for b, n in owners.items() if n != self._shared.owners(b)]
+                if wrong or len(self._shared) > sum(1 for n in owners.values() if n > 1):
+                    raise AssertionError(f"shared device blocks out of step: {wrong[:5]}")
             for fence, blocks in pending.items():
                 for b in blocks:
                     if b in owner:
@@ -495,7 +535,7 @@ class BlockManager:
         k = 0
         while k < limit and t.host[k] is not None:
             k += 1
-        self.device.free([d for d in t.device if d is not None])
+        self.device.free(self._shared.unowned(d for d in t.device if d is not None))
         self.host.free([h for h in t.host[k:] if h is not None])
         del t.host[k:]
         t.device = [None] * k

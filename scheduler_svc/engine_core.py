@@ -162,7 +162,8 @@ class EngineCore:
         result: ExecuteResult | None = None
         if out.chunks:
             t0 = self.timer()
-            result = await self.executor.execute(out.iteration, out.chunks)
+            result = await self.executor.execute(out.iteration, out.chunks,
+                                                 released=out.released)
             called = self.timer() - t0
             self._executed(result, called, called)
         events = sched.update_from_output(out, result or ExecuteResult(sampled={}))
@@ -230,7 +231,8 @@ class EngineCore:
         return StepResult(out, events, moved, result, in_flight=not self.idle)
 
     def _launch(self, out: SchedulerOutput, after: int) -> _Batch:
-        task = asyncio.create_task(self.executor.execute(out.iteration, out.chunks, after))
+        task = asyncio.create_task(self.executor.execute(out.iteration, out.chunks, after,
+                                                         released=out.released))
         return _Batch(out, task, self.timer())
 
     async def _finish_after(self) -> None:

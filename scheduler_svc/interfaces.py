@@ -12,6 +12,7 @@ call does wait (the pipelined step overlaps them).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,6 +34,9 @@ class SchedulerOutput:
     # Each chunk's request's kv_epoch when it was planned: a chunk settles only KV that
     # still counts (scheduler.update_from_output / rollback).
     kv_epochs: dict[str, int] = field(default_factory=dict)
+    # Requests finished since the last batch whose sampling state the worker may hold
+    # (worker/sampling_state.py): it drops them before running this batch.
+    released: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -41,12 +45,14 @@ class SchedulerOutput:
 
 class Executor(Protocol):
     async def execute(
-        self, iteration: int, chunks: list[ScheduledChunk], after: int = 0
+        self, iteration: int, chunks: list[ScheduledChunk], after: int = 0,
+        released: Sequence[str] = (),
     ) -> ExecuteResult:
         """Run the batch (writes its KV into the device pool); return the sampled tokens.
 
         `after`: the batch it follows (0: none). It runs after that one, and a chunk whose
-        last token is PLACEHOLDER takes the token that batch sampled for its request."""
+        last token is PLACEHOLDER takes the token that batch sampled for its request.
+        `released`: finished requests whose sampling state the executor may drop first."""
         ...
 
 

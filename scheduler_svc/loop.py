@@ -19,12 +19,19 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 import grpc
 import structlog
 
-from common.contracts import ExecuteResult, ScheduledChunk, TransferPlan, TransferResult
+from common.contracts import (
+    ExecuteResult,
+    ScheduledChunk,
+    TokenLogprob,
+    TransferPlan,
+    TransferResult,
+)
 from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.remote import RemoteKVMem, RemoteWorker
 from scheduler_svc.request import Request
@@ -51,6 +58,9 @@ class StreamEvent:
     finish_reason: str | None = None
     summary: dict[str, object] | None = None
     error: str | None = None  # the request could not be served: why, and what to do
+    index: int = 0  # which choice of a request with n > 1
+    logprobs: list[TokenLogprob] | None = None  # one per token, when asked for
+    prompt_logprobs: list[TokenLogprob] | None = None  # echo: the next prompt tokens'
 
 
 @dataclass(slots=True)
@@ -127,6 +137,10 @@ class ServingLoop:
         self.core = EngineCore(scheduler, _WorkerLane(self), _KVMemLane(self), trace,
                                pipeline=scheduler.config.pipelined)
         self.streams: dict[str, asyncio.Queue[StreamEvent]] = {}
+        # n > 1: a request's choices are scheduler requests of their own (fork.child_id),
+        # on one stream. Group id -> the choices' ids, and each choice's index.
+        self.groups: dict[str, list[str]] = {}
+        self._index: dict[str, int] = {}
         self.draining = False  # shutting down: no new requests
         self._work = asyncio.Event()
         self._outage: _Outage | None = None  # an iteration failed: recover before the next
@@ -136,30 +150,54 @@ class ServingLoop:
 
     # -- requests in and out (called by the gRPC handlers) ---------------------------------
     def knows(self, request_id: str) -> bool:
-        return request_id in self.scheduler.requests or request_id in self.streams
+        return (request_id in self.scheduler.requests or request_id in self.streams
+                or request_id in self.groups)
 
-    def submit(self, req: Request) -> asyncio.Queue[StreamEvent]:
-        """Add a request (ValueError if the scheduler refuses it) and return its stream."""
-        self.scheduler.add_request(req)
+    def submit(self, req: Request, followers: list[Request] | None = None,
+               group_id: str | None = None) -> asyncio.Queue[StreamEvent]:
+        """Add a request (ValueError if the scheduler refuses it) and return its stream.
+        With followers (n > 1), all choices share one stream under `group_id`."""
         queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
-        self.streams[req.request_id] = queue
-        log.info("submit", request_id=req.request_id, prompt_tokens=req.num_prompt_tokens,
+        if followers:
+            choices = [req, *followers]
+            self.scheduler.add_group(req, followers)
+            assert group_id is not None
+            self.groups[group_id] = [r.request_id for r in choices]
+            for i, r in enumerate(choices):
+                self.streams[r.request_id] = queue
+                self._index[r.request_id] = i
+        else:
+            self.scheduler.add_request(req)
+            self.streams[req.request_id] = queue
+        log.info("submit", request_id=group_id or req.request_id,
+                 prompt_tokens=req.num_prompt_tokens, n=1 + len(followers or ()),
                  max_tokens=req.sampling.max_tokens, ttft_slo=req.slo.ttft_s,
                  tbt_slo=req.slo.tbt_s)
         self._work.set()
         return queue
 
+    def _members(self, request_id: str) -> list[str]:
+        return self.groups.get(request_id, [request_id])
+
     def finish(self, request_id: str, reason: str) -> bool:
-        """Abort RPC: "stop" (a stop string matched upstream) or anything else = abort."""
+        """Abort RPC: "stop" (a stop string matched upstream) or anything else = abort.
+        A group id finishes every choice; a choice's id, that choice."""
         s = self.scheduler
-        found = s.stop(request_id) if reason == "stop" else s.abort(request_id)
+        found = False
+        for rid in self._members(request_id):
+            found = (s.stop(rid) if reason == "stop" else s.abort(rid)) or found
         self._publish([])
         return found
 
     def drop(self, request_id: str) -> None:
         """The stream is gone (finished, or the client went away): free its blocks now."""
-        self.streams.pop(request_id, None)
-        if self.scheduler.abort(request_id):
+        aborted = False
+        for rid in self._members(request_id):
+            self.streams.pop(rid, None)
+            self._index.pop(rid, None)
+            aborted = self.scheduler.abort(rid) or aborted
+        self.groups.pop(request_id, None)
+        if aborted:
             self._publish([])
 
     # -- the loop -----------------------------------------------------------------------------
@@ -253,14 +291,18 @@ class ServingLoop:
             live = req or self.scheduler.requests.get(ev.request_id)
             n_out = live.num_output_tokens if live else 0
             if req is None:
-                self._send(ev.request_id, StreamEvent(ev.new_token_ids, n_out))
+                self._send(ev.request_id, StreamEvent(
+                    ev.new_token_ids, n_out, index=self._index.get(ev.request_id, 0),
+                    logprobs=ev.logprobs, prompt_logprobs=ev.prompt_logprobs))
             else:
-                self._final(req, ev.new_token_ids, now, reason)
+                self._final(req, ev.new_token_ids, now, reason, logprobs=ev.logprobs,
+                            prompt_logprobs=ev.prompt_logprobs)
         for req in finished.values():
             self._final(req, [], now, reason, error)
 
     def _final(self, req: Request, tokens: list[int], now: float, reason: str | None,
-               error: str | None = None) -> None:
+               error: str | None = None, logprobs: list[TokenLogprob] | None = None,
+               prompt_logprobs: list[TokenLogprob] | None = None) -> None:
         why = reason or (req.finish_reason.value if req.finish_reason else "abort")
         summary = req.summary(now)
         self.stats.count_slo(req, now)
@@ -268,7 +310,8 @@ class ServingLoop:
             self.trace.request_done(req, now)
         log.info("finish", finish_reason=why, **summary)
         self._send(req.request_id,
-                   StreamEvent(tokens, req.num_output_tokens, why, summary, error))
+                   StreamEvent(tokens, req.num_output_tokens, why, summary, error,
+                               self._index.pop(req.request_id, 0), logprobs, prompt_logprobs))
         self.streams.pop(req.request_id, None)
 
     def _send(self, request_id: str, event: StreamEvent) -> None:
@@ -397,11 +440,12 @@ class _WorkerLane:
         self.loop = loop
 
     async def execute(
-        self, iteration: int, chunks: list[ScheduledChunk], after: int = 0
+        self, iteration: int, chunks: list[ScheduledChunk], after: int = 0,
+        released: Sequence[str] = (),
     ) -> ExecuteResult:
         loop = self.loop
         before = list(loop._unconfirmed)
-        result = await loop.worker.execute(iteration, chunks, loop.pool_id, after)
+        result = await loop.worker.execute(iteration, chunks, loop.pool_id, after, released)
         # The pool (this pool id: this worker process) lived through the copies that were
         # done before this batch was sent; later ones wait for the next batch.
         loop._unconfirmed = [p for p in loop._unconfirmed if p not in before]

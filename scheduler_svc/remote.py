@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -70,11 +71,12 @@ class RemoteWorker:
         return await self.stub.GetKVPool(worker_pb2.KVPoolRequest(), timeout=INFO_TIMEOUT_S)
 
     async def execute(
-        self, iteration: int, chunks: list[ScheduledChunk], pool_id: str, after: int = 0
+        self, iteration: int, chunks: list[ScheduledChunk], pool_id: str, after: int = 0,
+        released: Sequence[str] = (),
     ) -> ExecuteResult:
         request = worker_pb2.ExecuteRequest(
             iteration=iteration, chunks=[chunk_to_proto(c) for c in chunks], pool_id=pool_id,
-            after_iteration=after,
+            after_iteration=after, released=released,
         )
         return result_from_proto(await self.stub.Execute(request, timeout=self.rpc_timeout_s))
 

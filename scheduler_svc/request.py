@@ -6,7 +6,13 @@ Pure Python: the service, the simulator and the tests all build these.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
+
+from common.contracts import Grammar, SamplingState
+
+MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI's chat API allows
+MAX_LOGIT_BIAS = 300  # tokens a logit_bias may name (OpenAI's limit)
 
 
 class RequestState(enum.Enum):
@@ -37,6 +43,15 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings; matched on detokenized text by the frontend
     ignore_eos: bool = False
+    # vLLM's definitions (worker/logits_processing.py): presence and frequency in [-2, 2]
+    # over the output tokens, repetition in (0, 2] over prompt and output tokens.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> [-100, 100]
+    logprobs: int | None = None  # per sampled token: its logprob and this many top ones
+    prompt_logprobs: bool = False  # echo: every prompt token's logprob (top `logprobs`)
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -47,10 +62,33 @@ class SamplingParams:
             raise InvalidSamplingParams(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidSamplingParams(f"top_k must be >= 0, got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -2.0 <= v <= 2.0:
+                raise InvalidSamplingParams(f"{name} must be in [-2, 2], got {v}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise InvalidSamplingParams(
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidSamplingParams(
+                f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        bad = next((v for v in self.logit_bias.values()
+                    if not (math.isfinite(v) and -100.0 <= v <= 100.0)), None)
+        if bad is not None:
+            raise InvalidSamplingParams(f"logit_bias values must be in [-100, 100], got {bad}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidSamplingParams(
+                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def stateful(self) -> bool:
+        """Do the request's own tokens change its logits? Then the worker keeps state."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.logit_bias or self.grammar)
 
 
 @dataclass(slots=True, frozen=True)
@@ -88,6 +126,13 @@ class Request:
     # Bumped whenever the request's KV is dropped (recompute, lost pool): chunks in flight
     # from before that wrote KV that no longer counts.
     kv_epoch: int = 0
+    # The worker holds this request's sampling state (SamplingParams.stateful): sent with a
+    # chunk whose batch may still land. Cleared when the worker may have lost it.
+    worker_state_sent: bool = False
+    prompt_logprobs_sent: int = 0  # echo: prompt tokens whose logprobs were published
+    # n > 1: a choice waiting for the leader's prompt blocks (scheduler_svc/fork.py); it is
+    # not admitted while this names the leader.
+    fork_of: str | None = None
     state: RequestState = RequestState.WAITING
     finish_reason: FinishReason | None = None
 
@@ -173,6 +218,15 @@ class Request:
             self.first_token_time = now
         self.last_token_time = now
         self.token_times.append(now)
+
+    def sampling_state(self) -> SamplingState:
+        """What the worker rebuilds this request's sampling state from."""
+        s = self.sampling
+        return SamplingState(
+            logit_bias=dict(s.logit_bias), grammar=s.grammar,
+            prompt_token_ids=self.prompt_token_ids if s.repetition_penalty != 1.0 else [],
+            output_token_ids=list(self.output_token_ids),
+        )
 
     def check_stop(self) -> FinishReason | None:
         """Finish reason after the last appended token, if any (stop strings live upstream)."""

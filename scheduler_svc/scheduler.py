@@ -20,8 +20,15 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 
-from common.contracts import PLACEHOLDER, ExecuteResult, ScheduledChunk, TransferPlan
+from common.contracts import (
+    PLACEHOLDER,
+    ExecuteResult,
+    ScheduledChunk,
+    TokenLogprob,
+    TransferPlan,
+)
 from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.fork import ForkGroups, shared_blocks
 from scheduler_svc.interfaces import SchedulerOutput
 from scheduler_svc.policy import Policy, Unservable
 from scheduler_svc.policy.base import arrival_order
@@ -80,6 +87,9 @@ class RequestEvent:
     request_id: str
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for
+    # Echo: logprobs of the prompt tokens after those already published, in order.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(slots=True)
@@ -123,6 +133,9 @@ class Scheduler:
         # Device blocks every live request needs for its next token, kept up to date so
         # that `everything_fits` is O(1) (check_integrity recomputes it).
         self._blocks_needed = 0
+        self.forks = ForkGroups()  # n > 1: choices waiting for their leader's prompt blocks
+        # Finished requests whose sampling state the worker may hold: named on the next batch.
+        self._released: list[str] = []
 
     # -- requests in and out ------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -143,6 +156,15 @@ class Scheduler:
         self.requests[req.request_id] = req
         self._blocks_needed += self._next_token_blocks(req)
         self.waiting.append(req)
+
+    def add_group(self, leader: Request, followers: list[Request]) -> None:
+        """n choices of one prompt: the followers share the leader's prompt blocks once it
+        has computed them (scheduler_svc/fork.py)."""
+        self.add_request(leader)
+        for f in followers:
+            self.add_request(f)
+        if followers and shared_blocks(leader, self.config.block_size) > 0:
+            self.forks.add(leader, followers)
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
@@ -174,6 +196,10 @@ class Scheduler:
     def _finish(self, req: Request, reason: FinishReason, now: float) -> None:
         for queue in (self.waiting, self.running, self.rotary):
             queue.discard(req)
+        self.forks.discard(req)
+        self.forks.pop(req.request_id)  # its followers compute the prompt themselves
+        if req.worker_state_sent:
+            self._released.append(req.request_id)
         self.bm.free(req)
         self._blocks_needed -= self._next_token_blocks(req)
         req.finish_reason = reason
@@ -240,6 +266,7 @@ class Scheduler:
             kv_epochs=epochs,
         )
         if chunks:
+            out.released, self._released = self._released, []
             self._in_flight[out.iteration] = out
             self.bm.begin_execute(out.iteration)
         return out
@@ -306,6 +333,8 @@ class Scheduler:
         free_only = False
         room_waiting = room_rotary = 0  # free blocks, while free_only
         for q in queue:
+            if q.fork_of is not None:
+                continue  # one of n choices, waiting for its leader's prompt blocks
             if free_only:
                 # Fast skip: once nobody may be preempted, walking on only looks for a
                 # candidate that fits the free blocks (often ~100 candidates deep).
@@ -488,10 +517,31 @@ class Scheduler:
                 decode += 1
             s = req.sampling
             # The live table (see ScheduledChunk); a running request holds every block.
-            chunks.append(ScheduledChunk(rid, ids, start, table(rid), sample, s.temperature,
-                                         s.top_p, s.top_k, s.seed,
-                                         len(output) + req.num_placeholders))
+            chunk = ScheduledChunk(rid, ids, start, table(rid), sample, s.temperature,
+                                   s.top_p, s.top_k, s.seed, len(output) + req.num_placeholders)
+            if s.logprobs is not None or s.prompt_logprobs or s.stateful:
+                self._sampling_fields(req, chunk, end)
+            chunks.append(chunk)
         return chunks, decode
+
+    @staticmethod
+    def _sampling_fields(req: Request, c: ScheduledChunk, end: int) -> None:
+        """What logprobs, echo, penalties, bias and grammar add to a chunk."""
+        s = req.sampling
+        c.logprobs = -1 if s.logprobs is None else s.logprobs
+        p = req.num_prompt_tokens
+        if s.prompt_logprobs and c.start_pos < p - 1:
+            # Row of position q scores prompt token q + 1; the last prompt token's row
+            # samples instead (its logprob is the first output token's).
+            c.prompt_logprob_targets = req.prompt_token_ids[c.start_pos + 1 : min(end, p - 1) + 1]
+        if c.sample and s.stateful:
+            c.stateful = True
+            c.presence_penalty = s.presence_penalty
+            c.frequency_penalty = s.frequency_penalty
+            c.repetition_penalty = s.repetition_penalty
+            if not req.worker_state_sent:
+                c.state = req.sampling_state()
+                req.worker_state_sent = True
 
     def update_from_output(self, out: SchedulerOutput, result: ExecuteResult) -> list[RequestEvent]:
         """An iteration's batch ran: its KV is settled and its sampled tokens land."""
@@ -504,7 +554,12 @@ class Scheduler:
                 continue  # finished or aborted while the batch ran
             if req.kv_epoch == epochs[chunk.request_id]:
                 req.num_inflight_tokens -= len(chunk.token_ids)
+            prompt_lps = self._new_prompt_logprobs(req, chunk, result)
+            if self.forks.waiting_for(req.request_id):
+                self._fork_followers(req, now)
             if not chunk.sample:
+                if prompt_lps:
+                    events.append(RequestEvent(req.request_id, [], prompt_logprobs=prompt_lps))
                 continue
             tok = result.sampled[chunk.request_id]
             queue = self._queue_of(req)
@@ -519,9 +574,43 @@ class Scheduler:
             reason = req.check_stop()
             if reason is not None:
                 self._finish(req, reason, now)
-            events.append(RequestEvent(req.request_id, [tok], reason))
+            lp = result.logprobs.get(chunk.request_id)
+            events.append(RequestEvent(req.request_id, [tok], reason,
+                                       [lp] if lp is not None else None, prompt_lps))
         self._landed(out)
         return events
+
+    @staticmethod
+    def _new_prompt_logprobs(req: Request, chunk: ScheduledChunk,
+                             result: ExecuteResult) -> list[TokenLogprob] | None:
+        """Echo: the chunk's prompt logprobs not yet published (a recomputed chunk scores
+        positions again; those went out the first time)."""
+        lps = result.prompt_logprobs.get(chunk.request_id)
+        if not lps:
+            return None
+        first = chunk.start_pos + 1  # the prompt token the chunk's first row scores
+        skip = max(0, req.prompt_logprobs_sent + 1 - first)
+        if first + skip != req.prompt_logprobs_sent + 1:
+            return None  # not the next in order (cannot happen: chunks land in order)
+        new = lps[skip:]
+        req.prompt_logprobs_sent += len(new)
+        return new or None
+
+    def _fork_followers(self, leader: Request, now: float) -> None:
+        """The leader's prompt blocks are settled on the device: its followers share them."""
+        k = shared_blocks(leader, self.config.block_size)
+        if leader.state is not RequestState.RUNNING or leader.num_settled_tokens < k * self.config.block_size:
+            return
+        for f in self.forks.pop(leader.request_id):
+            if f.state is not RequestState.WAITING or f.num_computed_tokens:
+                continue
+            self.waiting.remove(f)
+            self.bm.fork(leader, f, k)
+            f.num_computed_tokens = k * self.config.block_size
+            f.set_state(RequestState.RUNNING, now)
+            f.run_start_time = now
+            f.admitted_iteration = self.iteration
+            self.running.append(f)
 
     def _landed(self, out: SchedulerOutput) -> None:
         if self._in_flight.pop(out.iteration, None) is not None:
@@ -564,6 +653,9 @@ class Scheduler:
                 if req.num_tokens % bs == 0:
                     self._blocks_needed -= 1
                 req.num_placeholders -= 1
+            if chunk.state is not None:
+                req.worker_state_sent = False  # that batch may never have reached the worker
+        self._released = out.released + self._released
         self._landed(out)
 
     def check_integrity(self) -> None:
@@ -609,6 +701,11 @@ class Scheduler:
         bad_host = {h for _, h in failed.swap_out + failed.eager} if failed else set()
         if device or host:
             self.bm.drop_fences()
+        if device:
+            # A new worker: no sampling state survives; the next chunks bring it again.
+            self._released.clear()
+            for req in self.requests.values():
+                req.worker_state_sent = False
         lost: Callable[[int], bool] = (lambda h: True) if host else bad_host.__contains__
         now = self.clock()
         rec = Recovery()

@@ -22,9 +22,12 @@ import structlog
 from common.config import EngineConfig
 from common.daemon import Daemon, run_daemon
 from common.errors import RETRY_PUSHBACK_KEY
+from common.grammar import check as check_grammar
 from common.modelfile import resolve_model
 from common.tokenizer import Tokenizer
+from common.wire import grammar_from_proto, logprobs_to_proto
 from proto import scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc.fork import child_id, child_seed
 from scheduler_svc.loop import ServingLoop
 from scheduler_svc.remote import RPC_TIMEOUT_S, RemoteKVMem, RemoteWorker, wait_serving
 from scheduler_svc.request import SLO, InvalidSamplingParams, Request, SamplingParams
@@ -34,6 +37,7 @@ from scheduler_svc.trace import Trace
 log = structlog.get_logger()
 
 RETRY_AFTER_S = 1  # what a refused client is told to wait; requests finish in seconds
+MAX_CHOICES = 32  # n (or best_of) of one request
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
@@ -113,11 +117,20 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if loop.knows(rid):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is in use")
         await self._admit(loop, rid, context)
+        n = request.n or 1
         try:
-            queue = loop.submit(self._request(rid, request, loop.scheduler.clock()))
+            if not 1 <= n <= MAX_CHOICES:
+                raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {n}")
+            now = loop.scheduler.clock()
+            if n == 1:
+                queue = loop.submit(self._request(rid, request, now))
+            else:
+                choices = [self._request(child_id(rid, i), request, now, i) for i in range(n)]
+                queue = loop.submit(choices[0], choices[1:], group_id=rid)
         except (InvalidSamplingParams, ValueError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         n_prompt = len(request.prompt_token_ids)
+        open_choices = n
         try:
             while True:
                 ev = await queue.get()
@@ -130,9 +143,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     prompt_tokens=n_prompt,
                     output_tokens=ev.output_tokens,
                     summary_json=json.dumps(ev.summary) if ev.summary is not None else "",
+                    index=ev.index,
+                    logprobs=logprobs_to_proto(ev.logprobs or ()),
+                    prompt_logprobs=logprobs_to_proto(ev.prompt_logprobs or ()),
                 )
                 if ev.finish_reason:
-                    return
+                    open_choices -= 1
+                    if not open_choices:
+                        return
         finally:
             # Normal end: a no-op. Client cancelled (CancelledError lands here): abort now,
             # so the request's blocks return to the pool this very moment.
@@ -158,8 +176,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 trailing_metadata=((RETRY_PUSHBACK_KEY, str(RETRY_AFTER_S * 1000)),),
             )
 
-    def _request(self, rid: str, m: scheduler_pb2.GenerateRequest, now: float) -> Request:
-        """A scheduler Request from the message, or ValueError saying what is wrong."""
+    def _request(self, rid: str, m: scheduler_pb2.GenerateRequest, now: float,
+                 index: int = 0) -> Request:
+        """A scheduler Request from the message (choice `index` of n), or ValueError saying
+        what is wrong."""
         ids = list(m.prompt_token_ids)
         if not ids:
             raise ValueError("prompt is empty: give at least one prompt token")
@@ -168,15 +188,28 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         s = m.sampling
+        bad_bias = next((t for t in s.logit_bias if not 0 <= t < vocab), None)
+        if bad_bias is not None:
+            raise ValueError(f"logit_bias token id {bad_bias} is outside the vocabulary [0, {vocab})")
         sampling = SamplingParams(
             max_tokens=s.max_tokens,
             temperature=s.temperature,
             top_p=s.top_p or 1.0,  # proto3's 0 means "not set"; top_p=0 is meaningless anyway
             top_k=s.top_k,
-            seed=s.seed if s.HasField("seed") else None,
+            seed=child_seed(s.seed if s.HasField("seed") else None, index),
             stop_token_ids=tuple(s.stop_token_ids),
             ignore_eos=s.ignore_eos,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            repetition_penalty=s.repetition_penalty or 1.0,  # proto3's 0: not set
+            logit_bias=dict(s.logit_bias),
+            logprobs=s.logprobs if s.HasField("logprobs") else None,
+            # Echo scores the prompt once, in the first choice.
+            prompt_logprobs=s.prompt_logprobs and index == 0,
+            grammar=grammar_from_proto(s.grammar),
         )
+        if sampling.grammar is not None and index == 0:
+            check_grammar(sampling.grammar)  # GrammarError is a ValueError: a clear message
         default = default_slo(self.config)
         ttft, tbt = m.slo.ttft_s or default.ttft_s, m.slo.tbt_s or default.tbt_s
         if not (math.isfinite(ttft) and math.isfinite(tbt)):

@@ -8,14 +8,23 @@ step (`scheduler_svc/engine_core.py`), here with local objects behind its interf
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from common.config import EngineConfig
-from common.contracts import ExecuteResult, KVShape, ScheduledChunk, TransferPlan, TransferResult
+from common.contracts import (
+    ExecuteResult,
+    KVShape,
+    ScheduledChunk,
+    TokenLogprob,
+    TransferPlan,
+    TransferResult,
+)
 from common.dtypes import DTYPES
 from common.errors import ContextLengthError, InvalidRequestError
 from common.lane import ThreadLane
@@ -24,14 +33,17 @@ from common.output import OutputTracker
 from common.tokenizer import Tokenizer
 from kvmem_svc.copy import LocalCopyEngine
 from scheduler_svc.engine_core import EngineCore
+from scheduler_svc.fork import child_id, child_seed
 from scheduler_svc.request import SLO, FinishReason, Request, SamplingParams
 from scheduler_svc.scheduler import RequestEvent
 from scheduler_svc.setup import build_scheduler, default_slo
 from scheduler_svc.trace import Trace
 from worker.batches import BatchRunner
+from worker.grammar import GrammarBank
 from worker.loader import load_weights
 from worker.model import LlamaModel
 from worker.runner import ModelRunner, kv_block_bytes
+from worker.sampling_state import SamplingStates
 
 
 @dataclass(slots=True)
@@ -43,6 +55,8 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str
     metrics: dict[str, object] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, when asked for
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # echo: tokens 1..
 
 
 class LLMEngine:
@@ -66,16 +80,21 @@ class LLMEngine:
         dev, host = config.blocks_for(kv_block_bytes(mcfg, config.block_size, dtype))
         shape = KVShape(dev, mcfg.num_layers, config.block_size, mcfg.num_kv_heads, mcfg.head_dim)
         kv = torch.zeros(shape.shape, dtype=dtype)
-        self.runner = ModelRunner(model, kv, config.block_size)
+        tokenizer = self.tokenizer
+        sampling = SamplingStates(mcfg.vocab_size,
+                                  lambda: GrammarBank(tokenizer, mcfg.vocab_size))
+        self.runner = ModelRunner(model, kv, config.block_size, sampling)
         self.host_pool = torch.zeros((host, *self.runner.kv.shape[1:]), dtype=dtype)
         self.copier = LocalCopyEngine(self.runner.kv, self.host_pool)
         self.max_model_len = min(config.max_model_len or mcfg.max_position, mcfg.max_position)
         self.scheduler = build_scheduler(config, dev, host, mcfg.max_position)
         self.trackers: dict[str, OutputTracker] = {}
+        self.logprobs: dict[str, list[TokenLogprob]] = {}
+        self.prompt_logprobs: dict[str, list[TokenLogprob]] = {}
         self._ids = itertools.count()
         self.trace = Trace(config.trace, "superinfer generate") if config.trace else None
         self._traced_finished = 0  # finished_log entries already in the trace
-        self.batches = BatchRunner(self.runner.execute)
+        self.batches = BatchRunner(self.runner.execute, self.runner.release)
         self.copy_lane = ThreadLane("kv-copy")
         self.core = EngineCore(self.scheduler, _LocalExecutor(self.batches),
                                _LocalTransfers(self.copier, self.copy_lane), self.trace,
@@ -109,22 +128,38 @@ class LLMEngine:
                 f"prompt has {len(prompt_token_ids)} tokens; this model's context is "
                 f"{self.max_model_len} tokens"
             )
+        return self.add_choices(prompt_token_ids, sampling, 1, slo, request_id, arrival_time)[0]
+
+    def add_choices(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        n: int,
+        slo: SLO | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> list[str]:
+        """n choices of one prompt (n > 1: they share its KV blocks, scheduler_svc/fork.py),
+        each with its own seed stream; returns their request ids."""
         rid = request_id or f"req-{next(self._ids)}"
-        req = Request(
-            request_id=rid,
+        ids = [rid] if n == 1 else [child_id(rid, i) for i in range(n)]
+        reqs = [Request(
+            request_id=cid,
             prompt_token_ids=list(prompt_token_ids),
-            sampling=sampling,
+            sampling=dataclasses.replace(sampling, seed=child_seed(sampling.seed, i),
+                                         prompt_logprobs=sampling.prompt_logprobs and i == 0),
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             slo=slo or default_slo(self.config),
             eos_token_ids=tuple(self.tokenizer.eos_token_ids),
             max_model_len=self.max_model_len,
-        )
+        ) for i, cid in enumerate(ids)]
         try:
-            self.scheduler.add_request(req)
+            self.scheduler.add_group(reqs[0], reqs[1:])
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
-        self.trackers[rid] = OutputTracker(self.tokenizer, sampling.stop)
-        return rid
+        for cid in ids:
+            self.trackers[cid] = OutputTracker(self.tokenizer, sampling.stop)
+        return ids
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
@@ -143,6 +178,10 @@ class LLMEngine:
             tracker = self.trackers.get(ev.request_id)
             if tracker is None:
                 continue
+            if ev.logprobs:
+                self.logprobs.setdefault(ev.request_id, []).extend(ev.logprobs)
+            if ev.prompt_logprobs:
+                self.prompt_logprobs.setdefault(ev.request_id, []).extend(ev.prompt_logprobs)
             tracker.feed(ev.new_token_ids)
             if ev.finish_reason is None and tracker.stopped:
                 # A stop string matched in the text: finish here, like an EOS.
@@ -159,6 +198,11 @@ class LLMEngine:
         """Submit every prompt at once (so they batch together) and run to completion."""
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         ids = [self.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
+        return self.run_to_completion(ids, texts)
+
+    def run_to_completion(self, ids: list[str], texts: list[str] | None = None
+                          ) -> list[GenerationResult]:
+        """Step until the requests `ids` finish; their results in that order."""
         done: dict[str, FinishReason] = {}
         while len(done) < len(ids):
             for ev in self.step():
@@ -181,6 +225,8 @@ class LLMEngine:
                 token_ids=list(req.output_token_ids),
                 finish_reason=done[rid].value,
                 metrics=req.summary(time.monotonic()),
+                logprobs=self.logprobs.pop(rid, []),
+                prompt_logprobs=self.prompt_logprobs.pop(rid, []),
             ))
         return results
 
@@ -213,9 +259,10 @@ class _LocalExecutor:
         self.batches = batches
 
     async def execute(
-        self, iteration: int, chunks: list[ScheduledChunk], after: int = 0
+        self, iteration: int, chunks: list[ScheduledChunk], after: int = 0,
+        released: Sequence[str] = (),
     ) -> ExecuteResult:
-        return await self.batches.run(iteration, after, chunks)
+        return await self.batches.run(iteration, after, chunks, released)
 
 
 class _LocalTransfers:

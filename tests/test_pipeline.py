@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Sequence
 
 import grpc
 import pytest
@@ -48,7 +49,7 @@ class _Interleaving:
         self.batches = BatchRunner(self.checker.execute)
 
     async def execute(self, iteration: int, chunks: list[ScheduledChunk],
-                      after: int = 0) -> ExecuteResult:
+                      after: int = 0, released: Sequence[str] = ()) -> ExecuteResult:
         return await self.batches.run(iteration, after, chunks)
 
     async def transfer(self, plan):  # noqa: ANN001, ANN201

@@ -12,7 +12,7 @@ import os
 import socket
 import stat
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -213,7 +213,7 @@ class FakeWorker:
         return self.inner.execute(chunks)
 
     async def execute(self, iteration: int, chunks: list[ScheduledChunk],
-                      pool_id: str, after: int = 0) -> ExecuteResult:
+                      pool_id: str, after: int = 0, released: Sequence[str] = ()) -> ExecuteResult:
         await asyncio.sleep(0)
         if self.fail_next:
             self.fail_next = False

@@ -12,7 +12,7 @@ scheduler sends: a batch that refers to a batch this process never ran is refuse
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from common.contracts import PLACEHOLDER, ExecuteResult, ScheduledChunk
@@ -26,15 +26,18 @@ class OutOfOrder(RuntimeError):
 
 
 class BatchRunner:
-    def __init__(self, execute: Callable[[list[ScheduledChunk]], ExecuteResult]) -> None:
+    def __init__(self, execute: Callable[[list[ScheduledChunk]], ExecuteResult],
+                 release: Callable[[Sequence[str]], None] | None = None) -> None:
         self._execute = execute
+        self._release = release  # drops finished requests' sampling state, in batch order
         self._lane = ThreadLane("forward")
         self._submitted = 0  # the last batch handed to the lane (event-loop side)
         self._arrived: asyncio.Condition | None = None
         self._ran = 0  # the last batch that ran to its end (lane side)
         self._sampled: dict[str, int] = {}  # ... and what it sampled
 
-    async def run(self, iteration: int, after: int, chunks: list[ScheduledChunk]) -> ExecuteResult:
+    async def run(self, iteration: int, after: int, chunks: list[ScheduledChunk],
+                  released: Sequence[str] = ()) -> ExecuteResult:
         """Run the batch of `iteration` once the batch of `after` (0: none) is queued."""
         if self._arrived is None:
             self._arrived = asyncio.Condition()
@@ -51,13 +54,16 @@ class BatchRunner:
         self._submitted = max(self._submitted, iteration)
         async with self._arrived:
             self._arrived.notify_all()
-        return await self._lane.run(self._run, after, chunks, iteration)
+        return await self._lane.run(self._run, after, chunks, iteration, released)
 
     async def barrier(self) -> None:
         """Every batch submitted so far has finished writing the pool."""
         await self._lane.barrier()
 
-    def _run(self, after: int, chunks: list[ScheduledChunk], iteration: int) -> ExecuteResult:
+    def _run(self, after: int, chunks: list[ScheduledChunk], iteration: int,
+             released: Sequence[str]) -> ExecuteResult:
+        if released and self._release is not None:
+            self._release(released)
         chunks = self._fill_placeholders(after, chunks)
         result = self._execute(chunks)
         self._ran, self._sampled = iteration, result.sampled

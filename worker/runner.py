@@ -1,19 +1,29 @@
 """Model runner: owns the model and the device KV pool, executes scheduled batches.
 
 Stateless about requests: every chunk carries its tokens, positions and block table, so a
-restarted worker can pick up any request the scheduler still knows (DESIGN §6).
+restarted worker can pick up any request the scheduler still knows (DESIGN §6). The one
+exception is a cache the scheduler can always rebuild: the sampling state of requests with
+penalties, logit bias or a grammar (`worker/sampling_state.py`).
+
+Sampling, in `execute`: the forward pass returns the logits of each sampled row (and, for
+echo, of every row whose prompt logprobs were asked for); `logits_processing.process`
+applies penalties, bias and grammar masks to the sampled rows; the sampler chooses; the
+raw logits give the logprobs.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import torch
 
-from common.contracts import ExecuteResult, KVShape, ScheduledChunk
+from common.contracts import ExecuteResult, KVShape, ScheduledChunk, TokenLogprob
 from worker.loader import ModelConfig
+from worker.logits_processing import process, token_logprobs
 from worker.model import AttentionGroup, BatchMeta, LlamaModel
 from worker.sampler import sample_tokens
+from worker.sampling_state import SamplingStates
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -22,12 +32,14 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_pool: torch.Tensor, block_size: int) -> None:
+    def __init__(self, model: LlamaModel, kv_pool: torch.Tensor, block_size: int,
+                 sampling: SamplingStates | None = None) -> None:
         if kv_pool.shape[3] != block_size:
             raise ValueError("KV pool block size does not match")
         self.model = model
         self.kv = kv_pool
         self.block_size = block_size
+        self.sampling = sampling if sampling is not None else SamplingStates(model.cfg.vocab_size)
 
     @property
     def config(self) -> ModelConfig:
@@ -43,8 +55,9 @@ class ModelRunner:
         groups: list[AttentionGroup] = []
         decodes: list[tuple[int, ScheduledChunk]] = []
         prefills: list[tuple[int, ScheduledChunk]] = []
+        starts: dict[str, int] = {}
         for c in chunks:
-            start = len(ids)
+            start = starts[c.request_id] = len(ids)
             n = len(c.token_ids)
             ids.extend(c.token_ids)
             for p in range(c.start_pos, c.start_pos + n):
@@ -54,6 +67,12 @@ class ModelRunner:
             if c.sample:
                 logits_rows.append(start + n - 1)
             (decodes if n == 1 else prefills).append((start, c))
+        # Echo: after the sampled rows, every row whose prompt logprob is asked for, in
+        # chunk order.
+        for c in chunks:
+            if c.prompt_logprob_targets:
+                start = starts[c.request_id]
+                logits_rows.extend(range(start, start + len(c.prompt_logprob_targets)))
         # Decode tokens attend as one padded group; keep them contiguous in the flat batch
         # by ordering the group's rows through an index (attention writes back by slice).
         order: list[int] = []
@@ -111,13 +130,58 @@ class ModelRunner:
         return AttentionGroup(q0, q0 + sum(lens), torch.empty(0), 0, False,
                               mask[:, None], pad_index, (B, L))
 
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Finished requests: drop their sampling state."""
+        self.sampling.release(request_ids)
+
     def execute(self, chunks: list[ScheduledChunk]) -> ExecuteResult:
         t0 = time.perf_counter()
         if not chunks:
             return ExecuteResult(sampled={}, execute_s=0.0)
         input_ids, meta = self.build_meta(chunks)
-        logits = self.model.forward(input_ids, meta, self.kv)
         samplers = [c for c in chunks if c.sample]
-        tokens = sample_tokens(logits, samplers)
+        # Before the forward pass: it needs only the tokens, and a state that cannot be
+        # brought up to date fails the batch before it writes any KV.
+        params = self.sampling.params(samplers)
+        logits = self.model.forward(input_ids, meta, self.kv)
+        raw = logits[: len(samplers)]
+        tokens = sample_tokens(process(raw, params), samplers)
         sampled = {c.request_id: t for c, t in zip(samplers, tokens, strict=True)}
-        return ExecuteResult(sampled=sampled, execute_s=time.perf_counter() - t0)
+        return ExecuteResult(
+            sampled=sampled, execute_s=time.perf_counter() - t0,
+            logprobs=_sampled_logprobs(raw, samplers, tokens),
+            prompt_logprobs=_prompt_logprobs(logits[len(samplers):], chunks),
+        )
+
+
+def _rows(lp_ids: torch.Tensor, lps: torch.Tensor, top_ids: torch.Tensor, top_lps: torch.Tensor,
+          ks: list[int]) -> list[TokenLogprob]:
+    ids, own, tids, tlps = lp_ids.tolist(), lps.tolist(), top_ids.tolist(), top_lps.tolist()
+    return [TokenLogprob(ids[i], own[i], tids[i][:k], tlps[i][:k]) for i, k in enumerate(ks)]
+
+
+def _sampled_logprobs(raw: torch.Tensor, samplers: list[ScheduledChunk],
+                      tokens: list[int]) -> dict[str, TokenLogprob]:
+    want = [i for i, c in enumerate(samplers) if c.logprobs >= 0]
+    if not want:
+        return {}
+    ks = [samplers[i].logprobs for i in want]
+    lp = token_logprobs(raw[want], torch.tensor([tokens[i] for i in want]), max(ks))
+    rows = _rows(lp.token_ids, lp.logprobs, lp.top_ids, lp.top_logprobs, ks)
+    return {samplers[i].request_id: r for i, r in zip(want, rows, strict=True)}
+
+
+def _prompt_logprobs(extra: torch.Tensor, chunks: list[ScheduledChunk]
+                     ) -> dict[str, list[TokenLogprob]]:
+    out: dict[str, list[TokenLogprob]] = {}
+    row = 0
+    for c in chunks:
+        n = len(c.prompt_logprob_targets)
+        if not n:
+            continue
+        k = max(c.logprobs, 0)
+        lp = token_logprobs(extra[row : row + n], torch.tensor(c.prompt_logprob_targets), k)
+        out[c.request_id] = _rows(lp.token_ids, lp.logprobs, lp.top_ids, lp.top_logprobs,
+                                  [k] * n)
+        row += n
+    return out

@@ -22,15 +22,20 @@ from common.daemon import Daemon, run_daemon
 from common.dtypes import DTYPES
 from common.modelfile import resolve_model
 from common.shm import SegmentRecord
-from common.wire import chunk_from_proto
+from common.tokenizer import Tokenizer
+from common.wire import chunk_from_proto, result_to_proto
 from proto import scheduler_pb2, worker_pb2, worker_pb2_grpc
 from worker.batches import BatchRunner, OutOfOrder
+from worker.grammar import GrammarBank
 from worker.kv_pool import DevicePool
 from worker.loader import load_weights
 from worker.model import LlamaModel
 from worker.runner import ModelRunner, kv_block_bytes
+from worker.sampling_state import MissingState, SamplingStates
 
 log = structlog.get_logger()
+
+MAX_LOGPROBS = 20  # top logprobs per token (the scheduler's SamplingParams limit)
 
 # The model runner computes on the CPU; the pool follows it. A CUDA runner would pass
 # "cuda" here and DevicePool exports the pool with a CUDA IPC handle instead.
@@ -71,7 +76,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # Nothing may fail between making the pool and recording it (stop() unlinks it).
         # A stop during the load above cancels this coroutine there: no pool is made.
         pool = DevicePool.create(shape.shape, dtype, POOL_DEVICE)
-        runner = ModelRunner(model, pool.tensor, cfg.block_size)
+        # Grammars need the tokenizer; it is built the first time one comes (~1 s).
+        sampling = SamplingStates(mcfg.vocab_size, lambda: GrammarBank(
+            Tokenizer.from_source(source), mcfg.vocab_size))
+        runner = ModelRunner(model, pool.tensor, cfg.block_size, sampling)
         info = scheduler_pb2.ModelInfo(
             name=source.name,
             max_model_len=mcfg.max_position,
@@ -84,7 +92,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             source_kind=source.kind,
             source_path=str(source.path),
         )
-        self.loaded = Loaded(runner, pool, info, BatchRunner(runner.execute))
+        self.loaded = Loaded(runner, pool, info, BatchRunner(runner.execute, runner.release))
         handle = pool.handle()
         if self.segments is not None and handle.shm_name:
             self.segments.add(handle.shm_name)
@@ -125,14 +133,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         try:
-            result = await w.batches.run(request.iteration, request.after_iteration, chunks)
-        except OutOfOrder as e:
+            result = await w.batches.run(request.iteration, request.after_iteration, chunks,
+                                         list(request.released))
+        except (OutOfOrder, MissingState) as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        return worker_pb2.ExecuteReply(
-            request_ids=list(result.sampled),
-            token_ids=list(result.sampled.values()),
-            execute_s=result.execute_s,
-        )
+        return result_to_proto(result)
 
     async def GetKVPool(
         self, request: worker_pb2.KVPoolRequest, context: grpc.aio.ServicerContext
@@ -166,6 +171,13 @@ def _check_chunks(
             0 <= c.token_ids[-1] < vocab or c.token_ids[-1] == PLACEHOLDER
         ):
             return f"{c.request_id}: token id outside the vocabulary ({vocab})"
+        if len(c.prompt_logprob_targets) > len(c.token_ids) or any(
+                not 0 <= t < vocab for t in c.prompt_logprob_targets):
+            return f"{c.request_id}: bad prompt logprob targets"
+        if c.logprobs > MAX_LOGPROBS:
+            return f"{c.request_id}: at most {MAX_LOGPROBS} top logprobs"
+        if c.state is not None and any(not 0 <= t < vocab for t in c.state.logit_bias):
+            return f"{c.request_id}: logit bias token id outside the vocabulary ({vocab})"
     return None
 
 

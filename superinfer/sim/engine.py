@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -413,7 +413,8 @@ class _SimWorker:
         self._busy: asyncio.Lock | None = None
 
     async def execute(
-        self, iteration: int, chunks: list[ScheduledChunk], after: int = 0
+        self, iteration: int, chunks: list[ScheduledChunk], after: int = 0,
+        released: Sequence[str] = (),
     ) -> ExecuteResult:
         ex = self.model.iteration_s(chunks)
         if self._busy is None:
