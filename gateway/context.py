@@ -71,9 +71,11 @@ class GatewayContext:
         slo: common_pb2.SLO,
         stop: tuple[str, ...],
         arrival: float | None,
+        n: int = 1,
     ) -> Generation:
         request = scheduler_pb2.GenerateRequest(
-            request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, slo=slo
+            request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, slo=slo,
+            n=n if n > 1 else 0,
         )
         return Generation(
             backend=self.backend, metrics=self.metrics, active=self.active, model=model,

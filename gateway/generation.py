@@ -5,6 +5,11 @@ held back by ``OutputTracker``), records latency metrics, and guarantees that a 
 which ends early for any reason — stop string, client gone, error, external abort —
 is aborted at the scheduler so its KV blocks are freed at once. Cleanup runs in
 ``finally`` and never awaits: it must also work inside a cancelled task.
+
+A request with n > 1 choices is one stream whose events name their choice (`index`);
+each choice has its own text, stop strings (a match stops that choice alone, by its
+scheduler id "<id>#<index>"), tokens and logprobs. Echo's prompt logprobs arrive once,
+before the first token of choice 0.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
+from common.contracts import TokenLogprob
 from common.output import OutputTracker
+from common.wire import logprob_from_proto
 from gateway.backend import ModelState, SchedulerBackend
 from gateway.errors import APIError, from_grpc
 from gateway.metrics import GatewayMetrics
@@ -35,6 +42,22 @@ class Delta:
     text: str
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    index: int = 0  # which choice
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, when asked for
+
+
+@dataclass(slots=True)
+class Choice:
+    """One choice's output so far."""
+
+    tracker: OutputTracker
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.tracker.text
 
 
 class ActiveRequests:
@@ -81,12 +104,15 @@ class Generation:
         self.request_id = request.request_id
         self.prompt_tokens = len(request.prompt_token_ids)
         self.completion_tokens = 0
-        self.finish_reason: str | None = None
+        self.finish_reason: str | None = None  # set once every choice has finished
+        self.choices = [Choice(OutputTracker(model.tokenizer, stop))
+                        for _ in range(max(1, request.n))]
+        self.prompt_logprobs: list[TokenLogprob] = []  # echo: prompt tokens 1, 2, ...
+        self._open = len(self.choices)
         self._backend = backend
         self._metrics = metrics
         self._active = active
         self._request = request
-        self._tracker = OutputTracker(model.tokenizer, stop)
         self._arrival = time.monotonic() if arrival is None else arrival
         self._first_token_at: float | None = None
         self._last_token_at = 0.0
@@ -97,7 +123,11 @@ class Generation:
 
     @property
     def text(self) -> str:
-        return self._tracker.text
+        return self.choices[0].text
+
+    def _choice_id(self, index: int) -> str:
+        """The scheduler's id of one choice (scheduler_svc/fork.py child_id)."""
+        return self.request_id if len(self.choices) == 1 else f"{self.request_id}#{index}"
 
     def abort(self) -> None:
         """Abort on the client's behalf; the stream then ends with finish_reason "abort"."""
@@ -119,8 +149,12 @@ class Generation:
             try:
                 async for event in self._call:
                     delta = self._on_event(event)
+                    if delta is None:
+                        continue
                     if delta.finish_reason is not None:
-                        outcome = self.finish_reason = delta.finish_reason
+                        self._open -= 1
+                        if not self._open:
+                            outcome = self.finish_reason = delta.finish_reason
                     if delta.text or delta.token_ids or delta.finish_reason:
                         yield delta
                     if self.finish_reason is not None:
@@ -134,7 +168,10 @@ class Generation:
                     raise
             if self._aborted:
                 outcome = self.finish_reason = "abort"
-                yield Delta(self._tracker.finish(), finish_reason="abort")
+                for i, choice in enumerate(self.choices):
+                    if choice.finish_reason is None:
+                        choice.finish_reason = "abort"
+                        yield Delta(choice.tracker.finish(), finish_reason="abort", index=i)
                 return
             raise APIError(502, "the scheduler closed the stream before the request finished",
                            code="scheduler_stream_ended")
@@ -144,27 +181,43 @@ class Generation:
         finally:
             self._cleanup(outcome)
 
-    def _on_event(self, event: scheduler_pb2.TokenEvent) -> Delta:
+    def _on_event(self, event: scheduler_pb2.TokenEvent) -> Delta | None:
+        if event.prompt_logprobs:
+            self.prompt_logprobs.extend(logprob_from_proto(m) for m in event.prompt_logprobs)
+        index = event.index
+        if not 0 <= index < len(self.choices):
+            raise APIError(502, f"the scheduler sent choice {index} of {len(self.choices)}",
+                           code="scheduler_stream_invalid")
+        choice = self.choices[index]
+        if choice.finish_reason is not None:
+            return None  # stopped here already (a stop string); the scheduler's last word
         ids = list(event.token_ids)
         if ids:
             self._record_tokens(len(ids))
-        if event.finish_reason:
-            self._scheduler_done = True
         if event.finish_reason == "error":
+            self._scheduler_done = True
             raise APIError(500, "the engine failed while generating this request",
                            code="generation_failed")
+        lps = [logprob_from_proto(m) for m in event.logprobs]
+        choice.token_ids.extend(ids)
+        choice.logprobs.extend(lps)
         final = bool(event.finish_reason)
-        text = self._tracker.feed(ids, final=final)
+        text = choice.tracker.feed(ids, final=final)
         if final:
-            return Delta(text, ids, event.finish_reason)
-        if self._tracker.stopped:
+            choice.finish_reason = event.finish_reason
+            if self._open == 1:
+                self._scheduler_done = True
+            return Delta(text, ids, event.finish_reason, index, lps)
+        if choice.tracker.stopped:
             # A stop string matched in the text, which only the gateway sees: finish like
-            # EOS, and tell the scheduler to free the request without making the client
+            # EOS, and tell the scheduler to free the choice without making the client
             # wait for that round trip.
-            self._scheduler_done = True
-            self._backend.abort_soon(self.request_id, "stop")
-            return Delta(text, ids, "stop")
-        return Delta(text, ids)
+            choice.finish_reason = "stop"
+            if self._open == 1:
+                self._scheduler_done = True
+            self._backend.abort_soon(self._choice_id(index), "stop")
+            return Delta(text, ids, "stop", index, lps)
+        return Delta(text, ids, None, index, lps)
 
     def _record_tokens(self, n: int) -> None:
         now = time.monotonic()

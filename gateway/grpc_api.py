@@ -17,12 +17,13 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from common.wire import grammar_from_proto, logprobs_to_proto
 from gateway import prompts
 from gateway.context import GatewayContext
 from gateway.errors import APIError, invalid
 from gateway.generation import Generation
 from gateway.middleware import check_api_key, new_request_id, valid_request_id
-from gateway.openai_schema import MAX_STOP_STRINGS, check_stop_lengths
+from gateway.openai_schema import MAX_CHOICES, MAX_STOP_STRINGS, check_stop_lengths
 from proto import client_pb2, client_pb2_grpc
 
 # The scheduler checks each sampled token against them, so they are bounded like stop strings.
@@ -58,15 +59,22 @@ class SuperInferServicer(client_pb2_grpc.SuperInferServicer):
                     return
                 await context.send_initial_metadata((("x-request-id", request_id),))
                 try:
+                    sent_prompt = False
                     async for delta in gen.stream():
-                        yield client_pb2.ClientGenerateEvent(
+                        event = client_pb2.ClientGenerateEvent(
                             request_id=request_id,
                             text=delta.text,
                             token_ids=delta.token_ids,
                             finish_reason=delta.finish_reason or "",
                             prompt_tokens=gen.prompt_tokens,
                             completion_tokens=gen.completion_tokens,
+                            index=delta.index,
+                            logprobs=logprobs_to_proto(delta.logprobs),
                         )
+                        if delta.index == 0 and not sent_prompt and gen.prompt_logprobs:
+                            event.prompt_logprobs.extend(logprobs_to_proto(gen.prompt_logprobs))
+                            sent_prompt = True
+                        yield event
                 except APIError as e:
                     await _abort(context, e)
             finally:
@@ -113,6 +121,8 @@ class SuperInferServicer(client_pb2_grpc.SuperInferServicer):
         else:
             ids = prompts.check_token_ids(list(request.prompt_token_ids), model.vocab_size, "prompt_token_ids")
         sp = request.sampling
+        if not 0 <= request.n <= MAX_CHOICES:
+            raise invalid(f"n must be in [1, {MAX_CHOICES}], got {request.n}", "n")
         sampling = prompts.sampling_params(
             prompts.Sampling(
                 max_tokens=sp.max_tokens or None,
@@ -121,8 +131,16 @@ class SuperInferServicer(client_pb2_grpc.SuperInferServicer):
                 top_k=sp.top_k,
                 seed=sp.seed if sp.HasField("seed") else None,
                 ignore_eos=sp.ignore_eos,
+                presence_penalty=sp.presence_penalty,
+                frequency_penalty=sp.frequency_penalty,
+                repetition_penalty=sp.repetition_penalty or None,
+                logit_bias=dict(sp.logit_bias),
+                logprobs=sp.logprobs if sp.HasField("logprobs") else None,
+                prompt_logprobs=sp.prompt_logprobs,
+                grammar=grammar_from_proto(sp.grammar),
+                grammar_param="grammar",
             ),
-            prompt_len=len(ids), max_model_len=model.max_model_len,
+            prompt_len=len(ids), max_model_len=model.max_model_len, vocab_size=model.vocab_size,
         )
         bad_stop_id = next((t for t in sp.stop_token_ids if not 0 <= t < model.vocab_size), None)
         if bad_stop_id is not None:
@@ -132,7 +150,7 @@ class SuperInferServicer(client_pb2_grpc.SuperInferServicer):
             raise invalid("SLOs must be >= 0 seconds (0: server default)", "slo")
         return ctx.generation(
             model, request_id=request_id, prompt_ids=ids, sampling=sampling,
-            slo=request.slo, stop=tuple(request.stop), arrival=None,
+            slo=request.slo, stop=tuple(request.stop), arrival=None, n=request.n or 1,
         )
 
 

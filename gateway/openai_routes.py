@@ -16,11 +16,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from common.contracts import TokenLogprob
 from gateway import openai_schema as s
 from gateway import prompts
+from gateway.backend import ModelState
 from gateway.context import GatewayContext
 from gateway.errors import APIError
-from gateway.generation import Delta, Generation
+from gateway.generation import Choice, Delta, Generation
+from gateway.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from gateway.streaming import SSE_HEADERS, SSEResponse, until_disconnect
 
 router = APIRouter()
@@ -51,11 +54,13 @@ async def create_completion(body: s.CompletionRequest, request: Request) -> Resp
             prompts.completion_prompt_ids, body.prompt, model.tokenizer, model.vocab_size,
             size=_size(body.prompt),
         )
-        gen = _generation(ctx, request, body, model, ids, body.max_tokens, "prompt")
+        gen = _generation(ctx, request, body, model, ids, body.max_tokens, "prompt",
+                          echo=bool(body.echo))
     except APIError:
         ctx.metrics.requests.labels("rejected").inc()
         raise
-    return await _respond(request, body, gen, _CompletionFormat(request, model.served_name))
+    fmt = _CompletionFormat(request, model, body, ids, _prompt_text(body.prompt, model, ids))
+    return await _respond(request, body, gen, fmt)
 
 
 @router.post("/v1/chat/completions")
@@ -72,7 +77,7 @@ async def create_chat_completion(body: s.ChatCompletionRequest, request: Request
     except APIError:
         ctx.metrics.requests.labels("rejected").inc()
         raise
-    return await _respond(request, body, gen, _ChatFormat(request, model.served_name))
+    return await _respond(request, body, gen, _ChatFormat(request, model, body))
 
 
 def _size(prompt: Any) -> int:
@@ -81,6 +86,13 @@ def _size(prompt: Any) -> int:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         return sum(len(p) for p in prompt if isinstance(p, str))
     return 0
+
+
+def _prompt_text(prompt: Any, model: ModelState, ids: list[int]) -> str:
+    """What echo repeats: the prompt as sent, or its ids decoded."""
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else model.tokenizer.decode(ids)
 
 
 def _precheck(ctx: GatewayContext, body: s.SamplingRequest, model: Any) -> None:
@@ -93,18 +105,31 @@ def _precheck(ctx: GatewayContext, body: s.SamplingRequest, model: Any) -> None:
 
 def _generation(
     ctx: GatewayContext, request: Request, body: s.SamplingRequest, model: Any,
-    ids: list[int], max_tokens: int | None, prompt_param: str,
+    ids: list[int], max_tokens: int | None, prompt_param: str, echo: bool = False,
 ) -> Generation:
+    wanted = body.top_logprobs_wanted()
+    choices = body.best_of or body.num_choices
+    # best_of ranks its candidates by their tokens' logprobs: it needs them even when the
+    # client did not ask.
+    logprobs = wanted if wanted is not None or choices == body.num_choices else 0
+    grammar = body.grammar()
     sampling = prompts.sampling_params(
         prompts.Sampling(
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
             top_k=body.top_k, seed=body.seed, ignore_eos=bool(body.ignore_eos),
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty, logit_bias=body.logit_bias_ids(),
+            logprobs=logprobs, prompt_logprobs=echo and wanted is not None,
+            grammar=grammar[1] if grammar else None,
+            grammar_param=grammar[0] if grammar else "response_format",
         ),
         prompt_len=len(ids), max_model_len=model.max_model_len, prompt_param=prompt_param,
+        vocab_size=model.vocab_size,
     )
     return ctx.generation(
         model, request_id=request.state.request_id, prompt_ids=ids, sampling=sampling,
         slo=prompts.slo(body.slo), stop=body.stop_strings, arrival=request.state.arrival,
+        n=choices,
     )
 
 
@@ -113,7 +138,7 @@ async def _respond(request: Request, body: s.SamplingRequest, gen: Generation, f
     try:
         if not body.stream:
             await until_disconnect(request, _drain(deltas))
-            return JSONResponse(fmt.response(gen.text, gen).model_dump(mode="json"))
+            return JSONResponse(fmt.response(gen).model_dump(mode="json"))
         first = await until_disconnect(request, _next(deltas))
     except BaseException:
         await deltas.aclose()
@@ -136,11 +161,11 @@ async def _sse(
     include_usage: bool,
 ) -> AsyncIterator[str]:
     try:
-        for chunk in fmt.opening(include_usage):
+        for chunk in fmt.opening(include_usage, len(gen.choices)):
             yield _event(chunk)
         delta = first
         while delta is not None:
-            for chunk in fmt.chunks(delta, include_usage):
+            for chunk in fmt.chunks(delta, gen, include_usage):
                 yield _event(chunk)
             delta = await anext(deltas, None)
         if include_usage:
@@ -161,24 +186,49 @@ def _usage(gen: Generation) -> s.Usage:
     return s.Usage.of(gen.prompt_tokens, gen.completion_tokens)
 
 
+def _visible(choice: Choice, texts: TokenTexts) -> int:
+    """How many of the choice's tokens its text shows: after a stop string matched, the
+    tokens from the one that starts past the text's end are cut, like the text."""
+    if not choice.tracker.stopped:
+        return len(choice.token_ids)
+    end, offset = len(choice.text), 0
+    for i, t in enumerate(choice.token_ids):
+        if offset >= end:
+            return i
+        offset += len(texts.text(t))
+    return len(choice.token_ids)
+
+
+def _ranked(gen: Generation, n: int) -> list[Choice]:
+    """The n choices to return: all of them, or best_of's n with the highest total
+    logprob (OpenAI's "highest log probability per token" ranking, as vLLM did)."""
+    if len(gen.choices) == n:
+        return gen.choices
+    return sorted(gen.choices, key=lambda c: -sum(lp.logprob for lp in c.logprobs))[:n]
+
+
 class _Format:
     """How one API kind renders chunks and the final response."""
 
-    def __init__(self, request: Request, model_name: str, prefix: str) -> None:
+    def __init__(self, request: Request, model: ModelState, body: s.SamplingRequest,
+                 prefix: str) -> None:
         self.id = f"{prefix}-{request.state.request_id}"
-        self.model = model_name
+        self.model = model.served_name
         self.created = int(time.time())
+        self.texts = TokenTexts(model.tokenizer)
+        self.logprobs = body.top_logprobs_wanted() is not None
+        self.n = body.num_choices
 
-    def opening(self, include_usage: bool) -> list[str]:
+    def opening(self, include_usage: bool, n: int) -> list[str]:
         return []
 
-    def chunks(self, delta: Delta, include_usage: bool) -> list[str]:
+    def chunks(self, delta: Delta, gen: Generation, include_usage: bool) -> list[str]:
         raise NotImplementedError
 
     def usage_chunk(self, gen: Generation) -> str:
         raise NotImplementedError
 
-    def response(self, text: str, gen: Generation) -> s.CompletionResponse | s.ChatCompletionResponse:
+    def response(self, gen: Generation) -> s.CompletionResponse | s.ChatCompletionResponse:
         raise NotImplementedError
 
     @staticmethod
@@ -188,14 +238,48 @@ class _Format:
 
 
 class _CompletionFormat(_Format):
-    def __init__(self, request: Request, model_name: str) -> None:
-        super().__init__(request, model_name, "cmpl")
+    def __init__(self, request: Request, model: ModelState, body: s.CompletionRequest,
+                 prompt_ids: list[int], prompt_text: str) -> None:
+        super().__init__(request, model, body, "cmpl")
+        self.echo = bool(body.echo)
+        self.prompt_ids = prompt_ids
+        self.prompt_text = prompt_text
+        self._offsets: dict[int, int] = {}  # streaming: text sent so far per choice
 
     def _chunk(self, choices: list[s.CompletionChoice]) -> s.CompletionChunk:
         return s.CompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices)
 
-    def chunks(self, delta: Delta, include_usage: bool) -> list[str]:
-        choice = s.CompletionChoice(text=delta.text, finish_reason=delta.finish_reason)
+    def _echo_logprobs(self, gen: Generation) -> tuple[list[int], list[TokenLogprob | None]]:
+        lps: list[TokenLogprob | None] = [None, *gen.prompt_logprobs]
+        lps += [None] * (len(self.prompt_ids) - len(lps))  # (only if some never came)
+        return self.prompt_ids, lps[: len(self.prompt_ids)]
+
+    def _logprobs(self, gen: Generation, ids: list[int], lps: list[TokenLogprob],
+                  offset: int, with_echo: bool) -> s.CompletionLogprobs | None:
+        if not self.logprobs:
+            return None
+        all_ids: list[int] = []
+        all_lps: list[TokenLogprob | None] = []
+        if with_echo:
+            all_ids, all_lps = self._echo_logprobs(gen)
+            all_ids, all_lps = list(all_ids), list(all_lps)
+            offset = 0
+        all_ids += ids
+        all_lps += lps
+        return completion_logprobs(self.texts, all_ids, all_lps, offset)
+
+    def chunks(self, delta: Delta, gen: Generation, include_usage: bool) -> list[str]:
+        first = delta.index not in self._offsets
+        offset = self._offsets.get(delta.index, 0)
+        text = delta.text
+        echo = self.echo and first
+        if echo:
+            text = self.prompt_text + text
+        self._offsets[delta.index] = offset + len(text)
+        choice = s.CompletionChoice(
+            index=delta.index, text=text, finish_reason=delta.finish_reason,
+            logprobs=self._logprobs(gen, delta.token_ids, delta.logprobs, offset, echo),
+        )
         return [self._dump(self._chunk([choice]), include_usage)]
 
     def usage_chunk(self, gen: Generation) -> str:
@@ -203,31 +287,45 @@ class _CompletionFormat(_Format):
         chunk.usage = _usage(gen)
         return chunk.model_dump_json()
 
-    def response(self, text: str, gen: Generation) -> s.CompletionResponse:
-        choice = s.CompletionChoice(text=text, finish_reason=gen.finish_reason)
+    def response(self, gen: Generation) -> s.CompletionResponse:
+        choices = []
+        for i, c in enumerate(_ranked(gen, self.n)):
+            keep = _visible(c, self.texts)
+            prefix = self.prompt_text if self.echo else ""
+            choices.append(s.CompletionChoice(
+                index=i, text=prefix + c.text, finish_reason=c.finish_reason,
+                logprobs=self._logprobs(gen, c.token_ids[:keep], c.logprobs[:keep],
+                                        0, self.echo),
+            ))
         return s.CompletionResponse(
-            id=self.id, created=self.created, model=self.model, choices=[choice], usage=_usage(gen)
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=_usage(gen)
         )
 
 
 class _ChatFormat(_Format):
-    def __init__(self, request: Request, model_name: str) -> None:
-        super().__init__(request, model_name, "chatcmpl")
+    def __init__(self, request: Request, model: ModelState, body: s.ChatCompletionRequest) -> None:
+        super().__init__(request, model, body, "chatcmpl")
 
     def _chunk(self, choices: list[s.ChatChunkChoice]) -> s.ChatCompletionChunk:
         return s.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices)
 
-    def opening(self, include_usage: bool) -> list[str]:
-        role = s.ChatChunkChoice(delta=s.ChatDelta(role="assistant", content=""))
-        return [self._dump(self._chunk([role]), include_usage)]
+    def _logprobs(self, lps: list[TokenLogprob]) -> s.ChatLogprobs | None:
+        return chat_logprobs(self.texts, lps) if self.logprobs else None
 
-    def chunks(self, delta: Delta, include_usage: bool) -> list[str]:
+    def opening(self, include_usage: bool, n: int) -> list[str]:
+        return [self._dump(self._chunk([s.ChatChunkChoice(
+            index=i, delta=s.ChatDelta(role="assistant", content=""))]), include_usage)
+            for i in range(n)]
+
+    def chunks(self, delta: Delta, gen: Generation, include_usage: bool) -> list[str]:
         out = []
-        if delta.text:
-            choice = s.ChatChunkChoice(delta=s.ChatDelta(content=delta.text))
+        if delta.text or (self.logprobs and delta.logprobs):
+            choice = s.ChatChunkChoice(index=delta.index, delta=s.ChatDelta(content=delta.text),
+                                       logprobs=self._logprobs(delta.logprobs))
             out.append(self._dump(self._chunk([choice]), include_usage))
         if delta.finish_reason is not None:
-            choice = s.ChatChunkChoice(delta=s.ChatDelta(), finish_reason=delta.finish_reason)
+            choice = s.ChatChunkChoice(index=delta.index, delta=s.ChatDelta(),
+                                       finish_reason=delta.finish_reason)
             out.append(self._dump(self._chunk([choice]), include_usage))
         return out
 
@@ -236,8 +334,13 @@ class _ChatFormat(_Format):
         chunk.usage = _usage(gen)
         return chunk.model_dump_json()
 
-    def response(self, text: str, gen: Generation) -> s.ChatCompletionResponse:
-        choice = s.ChatChoice(message=s.ChatResponseMessage(content=text), finish_reason=gen.finish_reason)
+    def response(self, gen: Generation) -> s.ChatCompletionResponse:
+        choices = [
+            s.ChatChoice(index=i, message=s.ChatResponseMessage(content=c.text),
+                         finish_reason=c.finish_reason,
+                         logprobs=self._logprobs(c.logprobs[: _visible(c, self.texts)]))
+            for i, c in enumerate(_ranked(gen, self.n))
+        ]
         return s.ChatCompletionResponse(
-            id=self.id, created=self.created, model=self.model, choices=[choice], usage=_usage(gen)
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=_usage(gen)
         )

@@ -2,13 +2,18 @@
 
 Requests are validated strictly (a string where a number belongs is a 400, not a silent
 coercion) and unknown fields are ignored, as OpenAI clients send many optional ones.
-Fields that would change the output in a way SuperInfer cannot honour (n > 1, logprobs,
-penalties …) are rejected by name instead of being ignored, so a client never gets a
-result that silently differs from what it asked for.
+Fields that would change the output in a way SuperInfer cannot honour (tools, suffix)
+are rejected by name instead of being ignored, so a client never gets a result that
+silently differs from what it asked for. Sampling fields follow OpenAI's ranges and
+vLLM's extras: n and best_of up to 32 choices, penalties (presence and frequency in
+[-2, 2], repetition in (0, 2]), logit_bias (at most 300 token ids, values in [-100, 100]),
+logprobs / top_logprobs up to 20, echo, and structured outputs (`response_format` and
+vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -21,12 +26,17 @@ from pydantic import (
     model_serializer,
 )
 
+from common.contracts import Grammar
+
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 16
 # Each token checks every stop string's prefixes against the text's end (O(length^2)):
 # a long one would stall the event loop that serves every stream.
 MAX_STOP_STRING_CHARS = 256
+MAX_CHOICES = 32  # n and best_of (the scheduler's limit too)
+MAX_LOGPROBS = 20  # top logprobs per token
+MAX_LOGIT_BIAS = 300  # token ids one logit_bias may name, as OpenAI allows
 
 ChatRole = Literal["system", "user", "assistant"]
 # OpenAI's newer name for the system role.
@@ -48,6 +58,18 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Request):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class SamplingRequest(_Request):
     """Fields shared by completions and chat completions."""
 
@@ -58,21 +80,81 @@ class SamplingRequest(_Request):
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)  # extra; -1 and 0 mean off
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: Any = None  # a string or a list of strings; checked below for a clear message
-    n: int | None = Field(None, ge=1, le=INT32_MAX)
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False  # extra
     slo: SLOSpec | None = None  # extra
     user: str | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)  # vLLM's extra
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
+    response_format: ResponseFormat | None = None
+    # vLLM's structured-output extras.
+    guided_json: Any = None  # a JSON schema (an object, or its JSON text)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # a Lark grammar
 
-    # Accepted only at their no-op values; see unsupported().
-    logprobs: Any = None
-    top_logprobs: Any = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
-    best_of: int | None = None
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if not v:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens, got {len(v)}")
+        for key, value in v.items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for "
+                                 f"token {key}")
+        return v
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    def grammar(self) -> tuple[str, Grammar] | None:
+        """(the field that asked, the constraint) of the one structured-output field given;
+        ValueError when several are."""
+        given: list[tuple[str, Grammar]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(("response_format", Grammar("json_object", "")))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise ValueError("response_format of type json_schema needs "
+                                 "json_schema.schema")
+            given.append(("response_format", Grammar("json_schema",
+                                                     json.dumps(rf.json_schema.schema_))))
+        if self.guided_json is not None:
+            spec = self.guided_json
+            if not isinstance(spec, str | dict):
+                raise ValueError("guided_json must be a JSON schema (an object or its text)")
+            given.append(("guided_json", Grammar("json_schema",
+                                                 spec if isinstance(spec, str) else json.dumps(spec))))
+        if self.guided_regex is not None:
+            given.append(("guided_regex", Grammar("regex", self.guided_regex)))
+        if self.guided_choice is not None:
+            given.append(("guided_choice", Grammar("choice", json.dumps(self.guided_choice))))
+        if self.guided_grammar is not None:
+            given.append(("guided_grammar", Grammar("lark", self.guided_grammar)))
+        if len(given) > 1:
+            raise ValueError("give at most one of response_format (json_object/json_schema), "
+                             f"guided_json, guided_regex, guided_choice, guided_grammar; got "
+                             f"{', '.join(p for p, _ in given)}")
+        return given[0] if given else None
+
+    # -- logprobs: the two APIs name them differently -------------------------------
+    def top_logprobs_wanted(self) -> int | None:
+        """Top logprobs per sampled token (0: the token's own only); None: no logprobs."""
+        raise NotImplementedError
 
     @field_validator("stop")
     @classmethod
@@ -96,22 +178,18 @@ class SamplingRequest(_Request):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def unsupported(self) -> tuple[str, str] | None:
-        """(param, message) for the first field set to something SuperInfer cannot do."""
-        if self.n not in (None, 1):
-            return "n", "only n=1 is supported: SuperInfer returns one choice per request; send n requests instead"
-        if self.best_of not in (None, 1):
-            return "best_of", "best_of is not supported; only best_of=1"
-        if self.logprobs not in (None, False, 0) or self.top_logprobs not in (None, 0):
-            return "logprobs", "logprobs are not supported"
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0.0):
-                return name, f"{name} is not supported; leave it at 0"
-        if self.repetition_penalty not in (None, 1.0):
-            return "repetition_penalty", "repetition_penalty is not supported; leave it at 1"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
+        """(param, message) for the first field set to something SuperInfer cannot do, or
+        to a combination that makes no sense."""
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
+        if self.best_of is not None and self.best_of < self.num_choices:
+            return "best_of", f"best_of must be at least n ({self.num_choices}), got {self.best_of}"
+        if self.stream and self.best_of is not None and self.best_of > self.num_choices:
+            return "best_of", "best_of > n cannot be streamed: the best choices are known only at the end"
+        try:
+            self.grammar()
+        except ValueError as e:
+            return "response_format", str(e)
         return None
 
 
@@ -128,10 +206,13 @@ class CompletionRequest(SamplingRequest):
     prompt: Any = Field(...)
     echo: bool | None = False
     suffix: str | None = None
+    # Legacy completions: the number of top logprobs per token (0: the token's own only).
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo is not supported"
         if self.suffix:
             return "suffix", "suffix is not supported"
         return super().unsupported()
@@ -178,10 +259,19 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     tools: list[Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.tools:
             return "tools", "tools (function calling) are not supported"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
+        if self.best_of is not None:
+            return "best_of", "best_of is only supported on /v1/completions; use n"
         return super().unsupported()
 
     @property
@@ -210,10 +300,20 @@ class Usage(_Response):
         )
 
 
+class CompletionLogprobs(_Response):
+    """The legacy completions shape: parallel lists, one entry per token (echo: the first
+    prompt token has no logprob, null)."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(_Response):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -227,6 +327,24 @@ class CompletionResponse(_Response):
     usage: Usage | None = None
 
 
+class ChatTopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: None = None
+
+
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -235,7 +353,7 @@ class ChatResponseMessage(_Response):
 class ChatChoice(_Response):
     index: int = 0
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -263,7 +381,7 @@ class ChatDelta(_Response):
 class ChatChunkChoice(_Response):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -12,10 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from common.contracts import Grammar
 from common.errors import SuperInferError
+from common.grammar import GrammarError, check
 from common.tokenizer import Tokenizer
+from common.wire import grammar_to_proto
 from gateway.errors import APIError, from_superinfer, invalid
-from gateway.openai_schema import INT32_MAX, ChatMessage, SLOSpec
+from gateway.openai_schema import INT32_MAX, MAX_LOGIT_BIAS, MAX_LOGPROBS, ChatMessage, SLOSpec
 from proto import common_pb2
 
 T = TypeVar("T")
@@ -42,6 +45,22 @@ class Sampling:
     top_k: int | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None  # top logprobs per sampled token; None: no logprobs
+    prompt_logprobs: bool = False  # echo with logprobs
+    grammar: Grammar | None = None
+    grammar_param: str = "response_format"  # the field that asked for it, for errors
+
+
+def check_grammar(g: Grammar, param: str) -> None:
+    """A grammar the library cannot compile is a 400 naming the problem."""
+    try:
+        check(g)
+    except GrammarError as e:
+        raise invalid(str(e), param=param, code="invalid_grammar") from None
 
 
 def completion_prompt_ids(prompt: Any, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
@@ -88,7 +107,8 @@ def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer) -> list[i
 
 
 def sampling_params(
-    s: Sampling, *, prompt_len: int, max_model_len: int, prompt_param: str = "prompt"
+    s: Sampling, *, prompt_len: int, max_model_len: int, prompt_param: str = "prompt",
+    vocab_size: int | None = None,
 ) -> common_pb2.SamplingParams:
     """OpenAI defaults (temperature 1, top_p 1) and max_tokens up to the context limit."""
     room = max_model_len - prompt_len
@@ -130,7 +150,44 @@ def sampling_params(
     )
     if s.seed is not None:
         params.seed = s.seed
+    _extras(s, params, vocab_size)
     return params
+
+
+def _extras(s: Sampling, params: common_pb2.SamplingParams, vocab_size: int | None) -> None:
+    """Penalties, logit bias, logprobs and grammar, checked with messages naming the field
+    (the REST schema checks the same ranges; the gRPC API arrives here unchecked)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(s, name)
+        if v is not None and not -2.0 <= v <= 2.0:
+            raise invalid(f"{name} must be in [-2, 2], got {v}", param=name)
+    if s.repetition_penalty is not None and not 0.0 < s.repetition_penalty <= 2.0:
+        raise invalid(f"repetition_penalty must be in (0, 2], got {s.repetition_penalty}",
+                      param="repetition_penalty")
+    params.presence_penalty = s.presence_penalty or 0.0
+    params.frequency_penalty = s.frequency_penalty or 0.0
+    params.repetition_penalty = s.repetition_penalty or 1.0
+    bias = s.logit_bias or {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise invalid(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}",
+                      param="logit_bias")
+    for tok, value in bias.items():
+        if vocab_size is not None and not 0 <= tok < vocab_size:
+            raise invalid(f"logit_bias token id {tok} is out of range [0, {vocab_size})",
+                          param="logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise invalid(f"logit_bias values must be in [-100, 100], got {value} for token "
+                          f"{tok}", param="logit_bias")
+        params.logit_bias[tok] = value
+    if s.logprobs is not None:
+        if not 0 <= s.logprobs <= MAX_LOGPROBS:
+            raise invalid(f"top logprobs must be in [0, {MAX_LOGPROBS}], got {s.logprobs}",
+                          param="top_logprobs")
+        params.logprobs = s.logprobs
+    params.prompt_logprobs = s.prompt_logprobs
+    if s.grammar is not None:
+        check_grammar(s.grammar, s.grammar_param)
+        params.grammar.CopyFrom(grammar_to_proto(s.grammar))
 
 
 def slo(spec: SLOSpec | None) -> common_pb2.SLO:

@@ -16,6 +16,8 @@ BENCHES = {
                  "decode throughput through the services vs in-process"),
     "pipeline": ("superinfer.bench.pipeline",
                  "the worker's compute share with the pipelined step and without"),
+    "grammar": ("superinfer.bench.grammar",
+                "structured outputs: the grammar mask's cost per token vs free requests"),
     "serve": ("superinfer.bench.serve", "load benchmark of an OpenAI-compatible server"),
     "experiment": ("superinfer.bench.experiment",
                    "rotation policies on the real stack: rate sweep, table, plot, claim check"),

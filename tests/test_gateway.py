@@ -417,13 +417,13 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None, str | None]] = [
     ("/v1/completions", "token id out of range", {"prompt": [1, 10**8]}, 400, "prompt", None),
     ("/v1/completions", "empty prompt", {"prompt": ""}, 400, "prompt", None),
     ("/v1/completions", "batched prompts", {"prompt": ["a", "b"]}, 400, "prompt", None),
-    ("/v1/completions", "n=2", {"prompt": "x", "n": 2}, 400, "n", None),
+    ("/v1/completions", "n=33", {"prompt": "x", "n": 33}, 400, "n", None),
     ("/v1/completions", "negative temperature", {"prompt": "x", "temperature": -1}, 400, "temperature", None),
     ("/v1/completions", "top_p zero", {"prompt": "x", "top_p": 0}, 400, "top_p", None),
     ("/v1/completions", "stop not strings", {"prompt": "x", "stop": [1]}, 400, "stop", None),
     ("/v1/completions", "stream_options without stream", {"prompt": "x", "stream_options": {
         "include_usage": True}}, 400, "stream_options", None),
-    ("/v1/completions", "logprobs", {"prompt": "x", "logprobs": 2}, 400, "logprobs", None),
+    ("/v1/completions", "logprobs=21", {"prompt": "x", "logprobs": 21}, 400, "logprobs", None),
     ("/v1/completions", "unknown model", {"prompt": "x", "model": "gpt-17"}, 404, "model",
      "model_not_found"),
     ("/v1/chat/completions", "empty messages", {"messages": []}, 400, "messages", None),
@@ -431,7 +431,7 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None, str | None]] = [
      "messages[0].role", None),
     ("/v1/chat/completions", "image part", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages[0].content", None),
-    ("/v1/chat/completions", "n=3", {"messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n", None),
+    ("/v1/chat/completions", "n=0", {"messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n", None),
     ("/v1/chat/completions", "negative max_completion_tokens", {
         "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}, 400,
      "max_completion_tokens", None),
@@ -460,8 +460,8 @@ def test_bad_request_gets_openai_error(stack: Stack, path: str, what: str, body:
 def test_errors_through_the_openai_client_and_server_still_serves(stack: Stack) -> None:
     client = stack.client()
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=stack.model, prompt="x", n=2)
-    assert "n=1" in str(e.value)
+        client.completions.create(model=stack.model, prompt="x", n=2, best_of=1)
+    assert "best_of" in str(e.value)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="x")
     with stack.http() as h:

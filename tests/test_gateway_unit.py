@@ -269,8 +269,8 @@ def test_validation_errors_name_the_field(tmp_path: Path) -> None:
             ({"prompt": "x", "top_k": -2}, "top_k"),
             ({"prompt": "x", "seed": 2**64}, "seed"),
             ({"prompt": "x", "stop": ["a"] * 17}, "stop"),
-            ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-            ({"prompt": "x", "echo": True}, "echo"),
+            ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+            ({"prompt": "x", "suffix": "y"}, "suffix"),
             ({"prompt": "x", "slo": {"ttft_ms": -1}}, "slo.ttft_ms"),
             ({"prompt": "x", "stream": "yes"}, "stream"),
             ({"prompt": [[1, 2], [3]]}, "prompt"),
@@ -372,7 +372,7 @@ def app_in_flight(c: httpx.AsyncClient) -> int:
 def test_metrics_mirror_scheduler_stats(tmp_path: Path) -> None:
     async def body(c: httpx.AsyncClient, stub: ScriptedScheduler) -> None:
         await c.post("/v1/completions", json={"prompt": "hello"})
-        await c.post("/v1/completions", json={"prompt": "x", "n": 2})
+        await c.post("/v1/completions", json={"prompt": "x", "n": 33})  # rejected
         text = (await c.get("/metrics")).text
         vllm = 'engine="0",model_name="tiny"'
         for line in [

@@ -1,0 +1,391 @@
+"""The OpenAI API's sampling features end to end, driven by the official `openai` client
+against the real stack (worker + kvmem + scheduler + gateway processes): logprobs and
+top_logprobs (completions and chat, streamed and not), echo with prompt logprobs, n and
+best_of, penalties and logit_bias, structured outputs (response_format and vLLM's guided_*
+extras), and their 400s. Values are checked against the in-process engine on the same
+model (tests/test_sampling_features.py checks that engine against a plain forward pass).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from common.daemon import free_port
+from superinfer.probes import grpc_probe, http_probe
+from superinfer.supervisor import ServiceSpec, Supervisor
+from tests.test_gateway import CHILD_ENV, STARTUP_TIMEOUT_S, Stack, _environment, _error
+from tests.test_gateway import _wait_all_blocks_free as wait_all_blocks_free
+
+PROMPT = "The capital of France is Paris. The capital of Germany is"
+LOGPROB_TOL = 1e-3  # the served batch differs from the reference's: other matmul shapes
+
+# The reference: the in-process engine, greedy, with logprobs and echo.
+_REFERENCE_SCRIPT = """
+import json, sys
+from scheduler_svc.request import SamplingParams
+from common.config import EngineConfig
+from superinfer.engine import LLMEngine
+prompt = sys.stdin.read()
+engine = LLMEngine(EngineConfig(device_blocks=256, host_blocks=0))
+ids = engine.encode_prompt(prompt)
+sp = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, prompt_logprobs=True)
+r = engine.generate([ids], sp)[0]
+pen = engine.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, frequency_penalty=1.5,
+                                            presence_penalty=0.5, repetition_penalty=1.2))[0]
+lps = lambda xs: [[x.token_id, x.logprob, x.top_ids, x.top_logprobs] for x in xs]
+print(json.dumps({"prompt_ids": ids, "token_ids": r.token_ids, "text": r.text,
+                  "logprobs": lps(r.logprobs), "prompt_logprobs": lps(r.prompt_logprobs),
+                  "penalized": pen.token_ids, "penalized_text": pen.text}))
+"""
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    run_dir = tmp_path_factory.mktemp("openai-stack")
+    ports = {name: free_port() for name in ("worker", "kvmem", "scheduler", "http", "grpc")}
+    addr = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
+    ref_out, ref_err = run_dir / "reference-out.json", run_dir / "reference.err"
+    with ref_out.open("w") as stdout, ref_err.open("w") as stderr:
+        reference_proc = subprocess.Popen([sys.executable, "-c", _REFERENCE_SCRIPT],
+                                          stdin=subprocess.PIPE, stdout=stdout, stderr=stderr,
+                                          env={**os.environ, **CHILD_ENV},
+                                          text=True)
+        assert reference_proc.stdin is not None
+        reference_proc.stdin.write(PROMPT)
+        reference_proc.stdin.close()
+    cli = [sys.executable, "-m", "superinfer.cli"]
+    common = ["--run-dir", str(run_dir), "--host", "127.0.0.1"]
+    specs = [
+        ServiceSpec("worker", [*cli, "worker", *common, "--port", str(ports["worker"]),
+                               "--device-blocks", "512"], grpc_probe(addr["worker"])),
+        ServiceSpec("kvmem", [*cli, "kvmem", *common, "--port", str(ports["kvmem"]),
+                              "--host-blocks", "256"], grpc_probe(addr["kvmem"])),
+        ServiceSpec("scheduler", [*cli, "scheduler", *common, "--port", str(ports["scheduler"]),
+                                  "--worker-addr", addr["worker"], "--kvmem-addr", addr["kvmem"]],
+                    grpc_probe(addr["scheduler"])),
+        ServiceSpec("gateway", [*cli, "gateway", *common, "--port", str(ports["http"]),
+                                "--grpc-port", str(ports["grpc"]),
+                                "--scheduler-addr", addr["scheduler"]],
+                    http_probe(f"http://{addr['http']}/health")),
+    ]
+    sup = Supervisor(run_dir)
+    try:
+        with _environment(CHILD_ENV):
+            for spec in specs:
+                sup.start(spec, STARTUP_TIMEOUT_S)
+        assert reference_proc.wait(timeout=STARTUP_TIMEOUT_S) == 0, ref_err.read_text()[-3000:]
+        reference = json.loads(ref_out.read_text().strip().splitlines()[-1])
+        with httpx.Client(trust_env=False) as h:
+            model = h.get(f"http://{addr['http']}/v1/models").json()["data"][0]["id"]
+        yield Stack(run_dir, f"http://{addr['http']}", addr["grpc"], addr["scheduler"], model,
+                    reference)
+    finally:
+        if reference_proc.poll() is None:
+            reference_proc.kill()
+            reference_proc.wait()
+        sup.stop_all()
+
+
+def _ref(stack: Stack) -> dict[str, Any]:
+    return stack.reference  # type: ignore[return-value]
+
+
+# -- logprobs -----------------------------------------------------------------------------
+
+
+def test_completion_logprobs_equal_the_engines(stack: Stack) -> None:
+    ref = _ref(stack)
+    r = stack.client().completions.create(model=stack.model, prompt=PROMPT, max_tokens=8,
+                                          temperature=0, logprobs=3)
+    c = r.choices[0]
+    assert c.text == ref["text"]
+    lp = c.logprobs
+    assert lp is not None and len(lp.tokens) == len(ref["token_ids"]) == r.usage.completion_tokens
+    assert "".join(lp.tokens) == c.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for got, top, (_, want, _, want_top) in zip(lp.token_logprobs, lp.top_logprobs,
+                                                 ref["logprobs"], strict=True):
+        assert abs(got - want) <= LOGPROB_TOL
+        assert len(top) == 3
+        assert abs(max(top.values()) - got) <= 1e-6  # greedy: the sampled token is the top one
+        assert sorted(top.values(), reverse=True) == pytest.approx(want_top, abs=LOGPROB_TOL)
+
+
+def test_completion_logprobs_streamed_equal_non_streamed(stack: Stack) -> None:
+    kw: dict[str, Any] = dict(model=stack.model, prompt=PROMPT, max_tokens=8, temperature=0,
+                              logprobs=2)
+    whole = stack.client().completions.create(**kw).choices[0].logprobs
+    tokens: list[str] = []
+    values: list[float] = []
+    for chunk in stack.client().completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                values += c.logprobs.token_logprobs
+    assert whole is not None and tokens == whole.tokens
+    assert values == pytest.approx(whole.token_logprobs, abs=LOGPROB_TOL)
+
+
+def test_echo_with_logprobs_scores_the_prompt(stack: Stack) -> None:
+    """What evaluation harnesses send: echo, logprobs, max_tokens 1, the prompt as ids."""
+    ref = _ref(stack)
+    ids = ref["prompt_ids"]
+    r = stack.client().completions.create(model=stack.model, prompt=ids, max_tokens=1,
+                                          temperature=0, logprobs=1, echo=True)
+    c = r.choices[0]
+    lp = c.logprobs
+    assert lp is not None and len(lp.tokens) == len(ids) + 1
+    assert c.text.startswith(PROMPT) and "".join(lp.tokens) == c.text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for got, (tid, want, _, _) in zip(lp.token_logprobs[1 : len(ids)], ref["prompt_logprobs"],
+                                      strict=True):
+        assert abs(got - want) <= LOGPROB_TOL
+    assert abs(lp.token_logprobs[-1] - ref["logprobs"][0][1]) <= LOGPROB_TOL
+    # The same request as text: the prompt echoed verbatim.
+    again = stack.client().completions.create(model=stack.model, prompt=PROMPT, max_tokens=1,
+                                              temperature=0, logprobs=0, echo=True)
+    assert again.choices[0].logprobs.token_logprobs[1:] == pytest.approx(
+        lp.token_logprobs[1:], abs=LOGPROB_TOL)
+    assert again.choices[0].logprobs.top_logprobs[1] == {}
+
+
+def test_echo_without_logprobs_repeats_the_prompt(stack: Stack) -> None:
+    r = stack.client().completions.create(model=stack.model, prompt=PROMPT, max_tokens=4,
+                                          temperature=0, echo=True)
+    assert r.choices[0].text == PROMPT + _ref(stack)["text"][: len(r.choices[0].text) - len(PROMPT)]
+    assert r.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_and_top_logprobs(stack: Stack, stream: bool) -> None:
+    kw: dict[str, Any] = dict(model=stack.model, max_tokens=10, temperature=0, logprobs=True,
+                              top_logprobs=4,
+                              messages=[{"role": "user", "content": "Name a colour."}])
+    client = stack.client()
+    if stream:
+        text, content = "", []
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                text += c.delta.content or ""
+                if c.logprobs is not None and c.logprobs.content:
+                    content += c.logprobs.content
+    else:
+        r = client.chat.completions.create(**kw)
+        text = r.choices[0].message.content or ""
+        assert r.choices[0].logprobs is not None
+        content = r.choices[0].logprobs.content or []
+    assert content and len(content) <= 10
+    assert b"".join(bytes(t.bytes or []) for t in content).decode() == text
+    for t in content:
+        assert len(t.top_logprobs) == 4
+        assert t.top_logprobs[0].token == t.token  # greedy
+        assert abs(t.top_logprobs[0].logprob - t.logprob) <= 1e-6
+        assert [x.logprob for x in t.top_logprobs] == sorted(
+            (x.logprob for x in t.top_logprobs), reverse=True)
+
+
+# -- n and best_of ------------------------------------------------------------------------
+
+
+def test_n4_seeded_distinct_and_reproducible(stack: Stack) -> None:
+    kw: dict[str, Any] = dict(model=stack.model, prompt=PROMPT, max_tokens=12, temperature=1.0,
+                              seed=7, n=4)
+    a = stack.client().completions.create(**kw)
+    b = stack.client().completions.create(**kw)
+    texts = [c.text for c in a.choices]
+    assert [c.index for c in a.choices] == [0, 1, 2, 3]
+    assert len(set(texts)) == 4
+    assert [c.text for c in b.choices] == texts
+    assert a.usage.completion_tokens == 48  # 12 each (the prompt counted once)
+    # Streamed: each choice arrives under its index, the same texts.
+    got = {i: "" for i in range(4)}
+    for chunk in stack.client().completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            got[c.index] += c.text
+    assert [got[i] for i in range(4)] == texts
+    # Chat too.
+    chat = stack.client().chat.completions.create(
+        model=stack.model, messages=[{"role": "user", "content": "Say a word."}], max_tokens=6,
+        temperature=1.0, seed=7, n=3)
+    assert len(chat.choices) == 3 and len({c.message.content for c in chat.choices}) > 1
+    wait_all_blocks_free(stack)
+
+
+def test_best_of_returns_the_likeliest_choices(stack: Stack) -> None:
+    r = stack.client().completions.create(model=stack.model, prompt=PROMPT, max_tokens=6,
+                                          temperature=1.0, seed=3, n=2, best_of=5, logprobs=0)
+    assert len(r.choices) == 2
+    sums = [sum(c.logprobs.token_logprobs) for c in r.choices]
+    assert sums[0] >= sums[1]
+    everyone = stack.client().completions.create(model=stack.model, prompt=PROMPT, max_tokens=6,
+                                                 temperature=1.0, seed=3, n=5, logprobs=0)
+    all_sums = sorted((sum(c.logprobs.token_logprobs) for c in everyone.choices), reverse=True)
+    assert sums == pytest.approx(all_sums[:2], abs=1e-6)
+
+
+# -- penalties and logit_bias -------------------------------------------------------------
+
+
+def test_penalties_equal_the_engines(stack: Stack) -> None:
+    ref = _ref(stack)
+    assert ref["penalized"] != ref["token_ids"]  # the penalties change the greedy output
+    r = stack.client().completions.create(
+        model=stack.model, prompt=PROMPT, max_tokens=8, temperature=0, frequency_penalty=1.5,
+        presence_penalty=0.5, extra_body={"repetition_penalty": 1.2})
+    assert r.choices[0].text == ref["penalized_text"]
+
+
+def test_logit_bias_bans_and_forces(stack: Stack) -> None:
+    ref = _ref(stack)
+    first = ref["token_ids"][0]
+    banned = stack.client().completions.create(model=stack.model, prompt=PROMPT, max_tokens=1,
+                                               temperature=0, logprobs=0,
+                                               logit_bias={str(first): -100})
+    # The model's own logprob of the new token is lower than the banned one's.
+    assert banned.choices[0].logprobs.token_logprobs[0] < ref["logprobs"][0][1]
+    forced = stack.client().completions.create(model=stack.model, prompt=PROMPT, max_tokens=3,
+                                               temperature=1.0, seed=1,
+                                               logit_bias={"1000": 100}, logprobs=0,
+                                               extra_body={"ignore_eos": True})
+    assert forced.usage.completion_tokens == 3
+    assert len(set(forced.choices[0].logprobs.tokens)) == 1
+
+
+# -- structured outputs -------------------------------------------------------------------
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_response_format_parses_and_validates(stack: Stack) -> None:
+    client = stack.client()
+
+    async def main() -> list[tuple[str, str]]:
+        ac = stack.async_client()
+
+        async def constrained(i: int) -> tuple[str, str]:
+            r = await ac.chat.completions.create(
+                model=stack.model, max_tokens=60, temperature=0.8, seed=i,
+                messages=[{"role": "user", "content": f"Invent person {i} as JSON."}],
+                response_format={"type": "json_schema",
+                                 "json_schema": {"name": "person", "schema": PERSON}})
+            return "json", r.choices[0].message.content or ""
+
+        async def free(i: int) -> tuple[str, str]:
+            r = await ac.completions.create(model=stack.model, prompt=PROMPT, max_tokens=8,
+                                            temperature=0)
+            return "free", r.choices[0].text
+
+        return await asyncio.gather(*(f(i) for i in range(8) for f in (constrained, free)))
+
+    out = asyncio.run(main())
+    for kind, text in out:
+        if kind == "json":
+            jsonschema.validate(json.loads(text), PERSON)
+        else:
+            assert text == _ref(stack)["text"]  # neighbours change no free token
+    obj = client.chat.completions.create(
+        model=stack.model, max_tokens=40, temperature=0,
+        messages=[{"role": "user", "content": "Give me a JSON object about a cat."}],
+        response_format={"type": "json_object"})
+    content = obj.choices[0].message.content or ""
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(content), dict)
+    else:
+        assert content.startswith("{")
+
+
+def test_guided_extras(stack: Stack) -> None:
+    client = stack.client()
+    msg = [{"role": "user", "content": "What is the capital of France?"}]
+    choice = client.chat.completions.create(model=stack.model, messages=msg, max_tokens=10,
+                                            extra_body={"guided_choice": ["Paris", "Rome"]})
+    assert choice.choices[0].message.content in ("Paris", "Rome")
+    regex = client.completions.create(model=stack.model, prompt="Phone:", max_tokens=12,
+                                      temperature=1.0, seed=2,
+                                      extra_body={"guided_regex": r"\+33 [0-9]{9}"})
+    assert re.fullmatch(r"\+33 [0-9]{9}", regex.choices[0].text)
+    gj = client.completions.create(model=stack.model, prompt="A person:", max_tokens=60,
+                                   temperature=0.5, seed=2, extra_body={"guided_json": PERSON})
+    jsonschema.validate(json.loads(gj.choices[0].text), PERSON)
+
+
+# -- bad input ----------------------------------------------------------------------------
+
+C = "/v1/completions"
+CHAT = "/v1/chat/completions"
+MSG = [{"role": "user", "content": "x"}]
+BAD: list[tuple[str, str, dict[str, Any], str, str | None]] = [
+    # (path, what, body, param, code)
+    (C, "presence_penalty above 2", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty",
+     None),
+    (C, "frequency_penalty below -2", {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty",
+     None),
+    (C, "repetition_penalty 0", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty",
+     None),
+    (C, "logit_bias above 100", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", None),
+    (C, "logit_bias key not an id", {"prompt": "x", "logit_bias": {"hello": 1}}, "logit_bias", None),
+    (C, "logit_bias id out of vocab", {"prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias",
+     None),
+    (C, "logprobs above 20", {"prompt": "x", "logprobs": 21}, "logprobs", None),
+    (CHAT, "top_logprobs above 20", {"messages": MSG, "logprobs": True, "top_logprobs": 21},
+     "top_logprobs", None),
+    (CHAT, "top_logprobs without logprobs", {"messages": MSG, "top_logprobs": 2}, "top_logprobs",
+     None),
+    (C, "n above 32", {"prompt": "x", "n": 33}, "n", None),
+    (C, "best_of below n", {"prompt": "x", "n": 3, "best_of": 2}, "best_of", None),
+    (C, "best_of streamed", {"prompt": "x", "n": 1, "best_of": 2, "stream": True}, "best_of", None),
+    (CHAT, "bad json schema", {"messages": MSG, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
+     "response_format", "invalid_grammar"),
+    (CHAT, "json_schema without schema", {"messages": MSG, "response_format": {
+        "type": "json_schema"}}, "response_format", None),
+    (C, "bad regex", {"prompt": "x", "guided_regex": "([a-z"}, "guided_regex", "invalid_grammar"),
+    (C, "two constraints", {"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]},
+     "response_format", None),
+    (C, "empty choice", {"prompt": "x", "guided_choice": []}, "guided_choice", "invalid_grammar"),
+    (CHAT, "tools", {"messages": MSG, "tools": [{"type": "function"}]}, "tools", None),
+]
+
+
+@pytest.mark.parametrize(("path", "what", "body", "param", "code"), BAD, ids=[b[1] for b in BAD])
+def test_bad_sampling_fields_get_a_clear_400(stack: Stack, path: str, what: str,
+                                             body: dict[str, Any], param: str,
+                                             code: str | None) -> None:
+    with stack.http() as h:
+        r = h.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = _error(r)
+    assert err["param"] == param, err
+    assert err["type"] == "invalid_request_error"
+    if code is not None:
+        assert err["code"] == code, err
+
+
+def test_bad_schema_through_the_client_names_the_problem(stack: Stack) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        stack.client().chat.completions.create(
+            model=stack.model, messages=MSG,  # type: ignore[arg-type]
+            response_format={"type": "json_schema", "json_schema": {
+                "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}})
+    assert "schema" in str(e.value)
+    wait_all_blocks_free(stack)
