@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -200,14 +200,18 @@ class LLMEngine:
         ids = [self.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
         return self.run_to_completion(ids, texts)
 
-    def run_to_completion(self, ids: list[str], texts: list[str] | None = None
+    def run_to_completion(self, ids: list[str], texts: list[str] | None = None,
+                          after_step: Callable[[], None] | None = None,
                           ) -> list[GenerationResult]:
-        """Step until the requests `ids` finish; their results in that order."""
+        """Step until the requests `ids` finish; their results in that order. `after_step`
+        is called after every step (to watch the pools, say)."""
         done: dict[str, FinishReason] = {}
         while len(done) < len(ids):
             for ev in self.step():
                 if ev.finish_reason is not None:
                     done[ev.request_id] = ev.finish_reason
+            if after_step is not None:
+                after_step()
         if not self.scheduler.has_unfinished():
             # A pipelined step may still run a batch for requests that just finished.
             self._loop.run_until_complete(self.core.drain())

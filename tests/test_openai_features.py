@@ -17,12 +17,14 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import httpx
 import jsonschema
 import openai
 import pytest
 
 from common.daemon import free_port
+from proto import client_pb2, client_pb2_grpc, common_pb2
 from superinfer.probes import grpc_probe, http_probe
 from superinfer.supervisor import ServiceSpec, Supervisor
 from tests.test_gateway import CHILD_ENV, STARTUP_TIMEOUT_S, Stack, _environment, _error
@@ -149,7 +151,7 @@ def test_echo_with_logprobs_scores_the_prompt(stack: Stack) -> None:
     assert lp is not None and len(lp.tokens) == len(ids) + 1
     assert c.text.startswith(PROMPT) and "".join(lp.tokens) == c.text
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    for got, (tid, want, _, _) in zip(lp.token_logprobs[1 : len(ids)], ref["prompt_logprobs"],
+    for got, (_, want, _, _) in zip(lp.token_logprobs[1 : len(ids)], ref["prompt_logprobs"],
                                       strict=True):
         assert abs(got - want) <= LOGPROB_TOL
     assert abs(lp.token_logprobs[-1] - ref["logprobs"][0][1]) <= LOGPROB_TOL
@@ -320,7 +322,7 @@ def test_guided_extras(stack: Stack) -> None:
     choice = client.chat.completions.create(model=stack.model, messages=msg, max_tokens=10,
                                             extra_body={"guided_choice": ["Paris", "Rome"]})
     assert choice.choices[0].message.content in ("Paris", "Rome")
-    regex = client.completions.create(model=stack.model, prompt="Phone:", max_tokens=12,
+    regex = client.completions.create(model=stack.model, prompt="Phone:", max_tokens=24,
                                       temperature=1.0, seed=2,
                                       extra_body={"guided_regex": r"\+33 [0-9]{9}"})
     assert re.fullmatch(r"\+33 [0-9]{9}", regex.choices[0].text)
@@ -388,4 +390,51 @@ def test_bad_schema_through_the_client_names_the_problem(stack: Stack) -> None:
             response_format={"type": "json_schema", "json_schema": {
                 "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}})
     assert "schema" in str(e.value)
+    wait_all_blocks_free(stack)
+
+
+def test_grpc_api_n_logprobs_echo_and_grammar(stack: Stack) -> None:
+    ref = _ref(stack)
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(stack.grpc_addr,
+                                             options=[("grpc.enable_http_proxy", 0)]) as ch:
+            stub = client_pb2_grpc.SuperInferStub(ch)
+            sp = common_pb2.SamplingParams(max_tokens=8, temperature=0, logprobs=3,
+                                           prompt_logprobs=True)
+            events = [e async for e in stub.Generate(client_pb2.ClientGenerateRequest(
+                prompt=PROMPT, sampling=sp))]
+            assert [t for e in events for t in e.token_ids] == ref["token_ids"]
+            lps = [lp for e in events for lp in e.logprobs]
+            assert [lp.token_id for lp in lps] == ref["token_ids"]
+            assert all(len(lp.top_ids) == 3 for lp in lps)
+            prompt_lps = [lp for e in events for lp in e.prompt_logprobs]
+            assert [lp.token_id for lp in prompt_lps] == ref["prompt_ids"][1:]
+            for got, want in zip(prompt_lps, ref["prompt_logprobs"], strict=True):
+                assert abs(got.logprob - want[1]) <= LOGPROB_TOL
+
+            seeded = common_pb2.SamplingParams(max_tokens=6, temperature=1.0, seed=11,
+                                               grammar=common_pb2.Grammar(
+                                                   kind="choice", spec='["yes", "no", "maybe"]'))
+            texts: dict[int, str] = {}
+            async for e in stub.Generate(client_pb2.ClientGenerateRequest(
+                    prompt="Is it raining?", sampling=seeded, n=3)):
+                texts[e.index] = texts.get(e.index, "") + e.text
+            assert sorted(texts) == [0, 1, 2]
+            assert all(t in ("yes", "no", "maybe") for t in texts.values()), texts
+
+            for bad in [
+                client_pb2.ClientGenerateRequest(prompt="x", n=33),
+                client_pb2.ClientGenerateRequest(prompt="x", sampling=common_pb2.SamplingParams(
+                    presence_penalty=3)),
+                client_pb2.ClientGenerateRequest(prompt="x", sampling=common_pb2.SamplingParams(
+                    logprobs=21)),
+                client_pb2.ClientGenerateRequest(prompt="x", sampling=common_pb2.SamplingParams(
+                    grammar=common_pb2.Grammar(kind="regex", spec="(["))),
+            ]:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    _ = [e async for e in stub.Generate(bad)]
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+
+    asyncio.run(main())
     wait_all_blocks_free(stack)

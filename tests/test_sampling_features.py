@@ -131,16 +131,14 @@ def test_echo_logprobs_equal_under_chunking_rotation_and_recompute(
 
 def _peak_used_blocks(eng: LLMEngine, ids: list[str]) -> tuple[int, int, list[GenerationResult]]:
     """Run `ids` to the end; the most device blocks in use at once, and shared at once."""
-    peak = shared = 0
-    pending = set(ids)
-    while pending:
-        for ev in eng.step():
-            if ev.finish_reason is not None:
-                pending.discard(ev.request_id)
-        peak = max(peak, eng.scheduler.bm.num_used_device)
-        shared = max(shared, eng.scheduler.bm.num_shared_device)
-    # The results: run_to_completion on finished ids returns at once.
-    return peak, shared, eng.run_to_completion(ids)
+    peak = [0, 0]
+
+    def watch() -> None:
+        peak[0] = max(peak[0], eng.scheduler.bm.num_used_device)
+        peak[1] = max(peak[1], eng.scheduler.bm.num_shared_device)
+
+    results = eng.run_to_completion(ids, after_step=watch)
+    return peak[0], peak[1], results
 
 
 def test_n4_seeded_choices_distinct_reproducible_and_sharing_blocks(base: LLMEngine) -> None:
@@ -166,6 +164,24 @@ def test_n4_seeded_choices_distinct_reproducible_and_sharing_blocks(base: LLMEng
     assert peak_solo - peak_n == 3 * full, (peak_solo, peak_n)
     eng.scheduler.check_integrity()
     assert eng.stats()["device_blocks_free"] == 128
+
+
+@pytest.mark.parametrize("policy", ["lvf", "fcfs"])
+def test_n4_shared_blocks_survive_rotation_and_recompute(base: LLMEngine, policy: str) -> None:
+    """A pool too small for the four choices: shared blocks are rotated out (or dropped for
+    a recompute) and back; every choice's tokens equal the roomy pool's, no block leaks."""
+    prompt = base.encode_prompt(ECHO_TEXT * 2)
+    sp = SamplingParams(max_tokens=40, temperature=1.0, seed=99, ignore_eos=True)
+    roomy = LLMEngine(EngineConfig(device_blocks=128, host_blocks=0), reuse=base)
+    want = [r.token_ids for r in roomy.run_to_completion(roomy.add_choices(prompt, sp, 4))]
+    tight = LLMEngine(EngineConfig(device_blocks=16, host_blocks=256, policy=policy,
+                                   ttft_slo=0.5, tbt_slo=0.05), reuse=base)
+    got = [r.token_ids for r in tight.run_to_completion(tight.add_choices(prompt, sp, 4))]
+    assert got == want
+    st = tight.stats()
+    assert st["preemptions"] > 0
+    tight.scheduler.check_integrity()
+    assert st["device_blocks_free"] == 16 and st["host_blocks_free"] == 256
 
 
 # -- structured outputs -------------------------------------------------------------------
