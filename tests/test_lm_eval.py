@@ -33,7 +33,8 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """(the server's URL, the model name it serves)"""
     run_dir = tmp_path_factory.mktemp("lm-eval-serve")
     port = free_port()
     cmd = [sys.executable, "-m", "superinfer.cli", "serve", "--host", "127.0.0.1",
@@ -55,7 +56,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 pytest.fail("superinfer serve did not start: "
                             + (run_dir / "serve.log").read_text()[-3000:])
             time.sleep(0.5)
-        yield url
+        model = httpx.get(f"{url}/v1/models", trust_env=False).json()["data"][0]["id"]
+        yield url, model
     finally:
         proc.terminate()
         try:
@@ -78,7 +80,7 @@ def _evaluate(model: str, model_args: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def results(server: str, tmp_path_factory: pytest.TempPathFactory,
+def results(server: tuple[str, str], tmp_path_factory: pytest.TempPathFactory,
             ) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
     saved = {k: os.environ.get(k) for k in OFFLINE}
     os.environ.update(OFFLINE)
@@ -93,7 +95,7 @@ def results(server: str, tmp_path_factory: pytest.TempPathFactory,
         transformers.AutoTokenizer.from_pretrained(
             str(gguf.parent), gguf_file=gguf.name).save_pretrained(tok_dir)
         served = _evaluate("local-completions", {
-            "base_url": f"{server}/v1/completions", "model": "served",
+            "base_url": f"{server[0]}/v1/completions", "model": server[1],
             "tokenizer_backend": "huggingface", "tokenizer": str(tok_dir),
             "num_concurrent": 1, "max_retries": 1, "tokenized_requests": True,
         })
