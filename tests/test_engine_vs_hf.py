@@ -1,7 +1,8 @@
 """Greedy tokens of the engine equal Hugging Face transformers' on the same GGUF file.
 
 transformers is the reference (fp32 both sides). The same prompts then run batched and
-with a tiny token budget (many prefill chunks): the ids must not change.
+with a tiny token budget (many prefill chunks): the ids must not change. Prefix caching is
+on (the default): the second and third passes find the prompts' blocks cached.
 """
 
 from __future__ import annotations
@@ -106,5 +107,7 @@ def test_batched_and_chunked_equal_one_at_a_time(
     finally:
         engine.scheduler.config.max_batched_tokens = old
     assert chunked == hf_reference
+    # Those passes reused cached blocks: caching on equals transformers.
+    assert engine.stats()["prefix_cache_hit_tokens"] > sum(map(len, prompt_ids)) // 2
     engine.scheduler.check_integrity()
     assert engine.scheduler.bm.num_free_device == 512
