@@ -137,7 +137,9 @@ def _served(args: argparse.Namespace, prompts: list[str]) -> Measure:
     tmp = tempfile.TemporaryDirectory(prefix="superinfer-overhead-")
     try:
         if url is None:
-            sup, url = _start_stack(Path(tmp.name), args.device_blocks, args.startup_timeout)
+            # Caching off on both sides: the repeats send the same prompts.
+            sup, url = _start_stack(Path(tmp.name), args.device_blocks, args.startup_timeout,
+                                    scheduler_args=["--no-enable-prefix-caching"])
         asyncio.run(_served_once(url, prompts[:2], 4))  # warm-up
         runs = [asyncio.run(_served_once(url, prompts, args.max_tokens)) for _ in range(args.repeats)]
     finally:
@@ -159,7 +161,8 @@ def _in_process(args: argparse.Namespace, prompts: list[str]) -> Measure:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    engine = LLMEngine(EngineConfig(device_blocks=args.device_blocks, host_blocks=0))
+    engine = LLMEngine(EngineConfig(device_blocks=args.device_blocks, host_blocks=0,
+                                    enable_prefix_caching=False))
     ids = [engine.encode_prompt(p) for p in prompts]
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
 
