@@ -249,7 +249,9 @@ class BlockManager:
         (named, see the top) or released."""
         ref, cache = self._dev_ref, self.dev_cache
         done: list[int] = []
-        for b in blocks:
+        # A table's last blocks are parked first, so evicted first: a prefix's head, which
+        # every longer prefix needs, stays longest.
+        for b in reversed(blocks) if self.prefix_caching else blocks:
             ref[b] -= 1
             if ref[b]:
                 continue
@@ -271,7 +273,7 @@ class BlockManager:
         ref, cache = self._host_ref, self.host_cache
         busy = self._open_host_written or self._open_host_read
         done: list[int] = []
-        for h in blocks:
+        for h in reversed(blocks) if self.prefix_caching else blocks:  # see _unref_device
             ref[h] -= 1
             if ref[h]:
                 continue

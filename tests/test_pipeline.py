@@ -7,6 +7,7 @@ forward or copy ever running beside another after its RPC was cancelled.
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
 
@@ -228,6 +229,42 @@ def test_swap_ins_into_blocks_a_batch_may_read_wait_for_it(monkeypatch) -> None:
         for seed in range(6):  # the race needs a batch slow enough to lose it
             _serve("lvf", [[(t + seed) % 1000 for t in p] for p in prompts], lens,
                    device_blocks=16, aborts={})
+
+
+def _shared_workload(seed: int) -> tuple[list[list[int]], list[int], dict[int, int]]:
+    """Eight prompts from two prefixes (some sent twice), half arriving while others run."""
+    rng = random.Random(seed)
+    heads = [[rng.randrange(1000) for _ in range(rng.randint(4, 16))] for _ in range(2)]
+    prompts: list[list[int]] = []
+    for i in range(8):
+        if i and rng.random() < 0.4:
+            prompts.append(list(rng.choice(prompts)))
+        else:
+            prompts.append(rng.choice(heads) + [rng.randrange(1000)
+                                                for _ in range(rng.randint(1, 10))])
+    lens = [rng.randint(5, 30) for _ in prompts]
+    arrive = {i: rng.randint(1, 40) for i in range(1, 8) if rng.random() < 0.5}
+    return prompts, lens, arrive
+
+
+def test_cached_blocks_a_batch_may_read_are_late_for_swap_ins(monkeypatch) -> None:  # noqa: ANN001
+    """The rule "a parked cached block released while a batch is in flight is compute-only
+    until that batch ends" is load-bearing: parked as if no batch could read it, it is
+    evicted for a swap-in whose copy runs beside that batch, and the checker sees it."""
+    from scheduler_svc.prefix_cache import TierCache
+
+    park = TierCache.park
+    limits = RotationLimits(min_residency=2)
+    for seed in range(3):  # with the rule: exact
+        prompts, lens, arrive = _shared_workload(seed)
+        got, sched = _serve("lvf", prompts, lens, 12, {}, caching=True, arrive=arrive,
+                            limits=limits)
+        _check(got, sched, prompts, lens, set(), 12)
+    monkeypatch.setattr(TierCache, "park", lambda self, block, tag: park(self, block, 0))
+    with pytest.raises(AssertionError, match="KV context differs"):
+        for seed in range(6):  # the race needs a batch slow enough to lose it
+            prompts, lens, arrive = _shared_workload(seed)
+            _serve("lvf", prompts, lens, 12, {}, caching=True, arrive=arrive, limits=limits)
 
 
 def test_the_serial_step_stays_exact_too() -> None:

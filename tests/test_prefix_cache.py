@@ -300,6 +300,34 @@ def test_the_checker_sees_a_stale_device_tier() -> None:
     assert GARBAGE in e.store.device[names[1][0]]
 
 
+def test_a_request_may_reuse_blocks_a_swap_in_of_the_same_plan_fills() -> None:
+    """A rotary request swaps in (H2D into fresh blocks, named at once) and a request with
+    the same prefix, admitted in the same plan, reuses those blocks: its batch runs after
+    the plan's swap-ins (the engine step's rule), so it reads them filled."""
+    m = _Model(device=16, host=16, bs=4)
+    bm = m.bm
+    prefix = list(range(200, 212))  # 3 full blocks
+    m.admit("a", prefix + [1, 2])
+    m.fence()
+    a = m.reqs["a"]
+    bm.eager_copy([a], budget=8, host_reserve=0)
+    m.fence()
+    bm.swap_out(a)
+    a.state = RequestState.ROTARY
+    m.fence()
+    for d in list(bm.dev_cache.parked):  # the device tier forgets a's blocks
+        bm.dev_cache.evict(d)
+        bm.device.free([d])
+    bm.swap_in(a)
+    a.state = RequestState.RUNNING
+    filled = {d for _, d in bm._open.swap_in}  # type: ignore[union-attr]
+    m.admit("b", prefix + [7])
+    shared = bm.device_table("b")[:3]
+    assert shared == bm.device_table("a")[:3] and set(shared) <= filled
+    m.fence()  # copies, then the batch: b reads its prefix from the swapped-in blocks
+    bm.check_integrity(m.reqs)
+
+
 # -- a property test over random operations on the block manager -----------------------------
 OPS = st.lists(
     st.tuples(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -88,7 +89,7 @@ def _pass(args: argparse.Namespace, name: str, rate: float, mode: str, rep: int,
           out: Path) -> dict[str, Any]:
     scenario = SCENARIOS[name]
     sargs = _stack_args(args, scenario, mode)
-    stack = Stack(f"{name}-{mode}", sargs, out / "run" / f"{name}-{rate:g}-{mode}-{rep}")
+    stack = Stack("lvf", sargs, out / "run" / f"{name}-{rate:g}-{mode}-{rep}")
     path = out / f"{name}-{rate:g}-{mode}-{rep}.json"
     try:
         cmd = [sys.executable, "-m", "superinfer.cli", "bench", "serve",
@@ -100,7 +101,7 @@ def _pass(args: argparse.Namespace, name: str, rate: float, mode: str, rep: int,
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         wall = time.monotonic() - t0
     finally:
-        stack.stop()
+        _stop(stack)
     (row,) = json.loads(path.read_text())["results"]
     lat = row["latency_s"]
     pc = row["server_prefix_cache"]
@@ -114,6 +115,19 @@ def _pass(args: argparse.Namespace, name: str, rate: float, mode: str, rep: int,
         "device_queries": pc["prefix_cache_queries"], "host_hits": pc["prefix_cache_host_hits"],
         "host_queries": pc["prefix_cache_host_queries"], "rotations": row["rotations"],
     }
+
+
+def _stop(stack: Stack) -> None:
+    """SIGTERM, not Stack.stop's SIGINT: a shell ignores SIGINT in the jobs it starts in the
+    background, and so then does `serve` (the stack outlived a background run)."""
+    if stack.proc.poll() is None:
+        stack.proc.send_signal(signal.SIGTERM)
+        try:
+            stack.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            stack.proc.kill()
+            stack.proc.wait()
+    stack.stop()  # closes its log
 
 
 def _median(rows: list[dict[str, Any]], key: str) -> float | None:
@@ -188,7 +202,8 @@ def run(args: argparse.Namespace) -> int:
                           f"{_fmt(p['mean_ttft_s'])} s, hits device {p['device_hits']} "
                           f"host {p['host_hits']}", flush=True)
                     (out / "results.json").write_text(json.dumps(
-                        {"machine": facts, "args": vars(args), "passes": passes,
+                        {"machine": facts, "args": {k: v for k, v in vars(args).items()
+                                                    if k != "func"}, "passes": passes,
                          "summary": summarize(passes)}, indent=1))
     summary = summarize(passes)
     text = render(summary)
