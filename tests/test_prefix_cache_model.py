@@ -1,6 +1,6 @@
-"""Prefix caching on the real model: greedy outputs with caching on equal caching off (and
-transformers, through test_engine_vs_hf's reference) for repeated prompts and prompts
-sharing long prefixes, also with a device pool so small that LVF rotates constantly."""
+"""Prefix caching on the real model: greedy outputs with caching on equal caching off, and
+caching off equals transformers, for repeated prompts and prompts sharing long prefixes,
+also with a device pool so small that LVF rotates constantly."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 from common.config import EngineConfig
 from scheduler_svc.request import SamplingParams
 from superinfer.engine import LLMEngine
+from tests.hf_reference import hf_greedy
 
 SYSTEM = ("You are a careful assistant for a library. Answer in one short sentence, cite no "
           "sources, and never invent a book that does not exist. The library opens at nine "
@@ -65,6 +66,15 @@ def test_the_shared_prefix_is_long(base: LLMEngine) -> None:
     p = _prompts(base)
     common = next(i for i, (a, b) in enumerate(zip(p[0], p[1], strict=False)) if a != b)
     assert common >= 48  # three blocks of 16 or more shared by the four questions
+
+
+def test_caching_off_equals_transformers(base: LLMEngine,
+                                         reference: list[list[int]]) -> None:
+    """The reference below is the true continuation, not only caching off's."""
+    prompts = _prompts(base)
+    unique = [i for i, p in enumerate(prompts) if p not in prompts[:i]]
+    hf = hf_greedy(base.source.path, [prompts[i] for i in unique], MAX_TOKENS)
+    assert [reference[i] for i in unique] == hf
 
 
 def test_caching_on_one_at_a_time_equals_caching_off(base: LLMEngine,
