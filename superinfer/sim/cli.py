@@ -139,8 +139,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--layout", choices=list(LAYOUTS), default="block-first")
     t.add_argument("--duplex", action=argparse.BooleanOptionalAction, default=True,
                    help="both copy directions at once (default) or one at a time")
-    t.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=False,
-                   help="hide transfers behind execution (cross-iteration pipeline)")
+    t.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=_D.pipeline,
+                   help="the engine's pipelined step: plan and copy iteration t+1 while t "
+                        "executes (the engine's default); --no-pipeline: the serial step")
     o = p.add_argument_group("output")
     o.add_argument("--json", default=None, metavar="PATH", help="write config and results")
     o.add_argument("--plot", default=None, metavar="PATH.png",
