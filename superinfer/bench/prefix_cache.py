@@ -74,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--out", default="docs/results/prefix_cache",
                    help="directory for results.json, table.md and each pass's bench output")
+    p.add_argument("--report", action="store_true",
+                   help="run nothing: summarize the passes already in --out (a run cut short "
+                        "too) into table.md, turns.md and ttft_by_turn.png")
 
 
 def _stack_args(args: argparse.Namespace, scenario: dict[str, Any], mode: str
@@ -114,7 +117,25 @@ def _pass(args: argparse.Namespace, name: str, rate: float, mode: str, rep: int,
         "cached_tokens": row["cached_tokens"], "device_hits": pc["prefix_cache_hits"],
         "device_queries": pc["prefix_cache_queries"], "host_hits": pc["prefix_cache_host_hits"],
         "host_queries": pc["prefix_cache_host_queries"], "rotations": row["rotations"],
+        "ttft_by_turn_s": _ttft_by_turn(row, scenario),
     }
+
+
+def _turns(scenario: dict[str, Any]) -> int:
+    bench = scenario["bench"]
+    return int(bench[bench.index("--multi-turn") + 1]) if "--multi-turn" in bench else 1
+
+
+def _ttft_by_turn(row: dict[str, Any], scenario: dict[str, Any]) -> list[float | None]:
+    """Mean TTFT of each turn (request i is turn i // C, C conversations: bench serve)."""
+    turns, reqs = _turns(scenario), row["per_request"]
+    count = -(-len(reqs) // turns)
+    out: list[float | None] = []
+    for t in range(turns):
+        vals = [r["ttft_s"] for r in reqs
+                if r["index"] // count == t and r.get("ttft_s") is not None]
+        out.append(statistics.fmean(vals) if vals else None)
+    return out
 
 
 def _stop(stack: Stack) -> None:
@@ -157,8 +178,78 @@ def summarize(passes: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "device_queries_on": _median(on, "device_queries"),
             "host_queries_on": _median(on, "host_queries"),
             "failed": sum(p["failed"] for p in on + off),
+            **{f"ttft_by_turn_s_{m}": _by_turn_median(rows) for m, rows in (("on", on),
+                                                                           ("off", off))},
         })
     return out
+
+
+def _by_turn_median(rows: list[dict[str, Any]]) -> list[float | None]:
+    per = [r.get("ttft_by_turn_s") for r in rows]
+    if not per or any(p is None for p in per):
+        return []
+    return [_median([{"v": p[t]} for p in per], "v") for t in range(len(per[0]))]
+
+
+def render_turns(summary: list[dict[str, Any]]) -> str:
+    rows = []
+    for s in summary:
+        on, off = s.get("ttft_by_turn_s_on") or [], s.get("ttft_by_turn_s_off") or []
+        if len(on) < 2 or len(on) != len(off):
+            continue
+        for t, (a, b) in enumerate(zip(on, off, strict=True)):
+            rows.append([s["scenario"], f"{s['rate']:g}", t + 1, _fmt(a), _fmt(b),
+                         _fmt(b / a if a and b else None, ".2f") + "x"])
+    return table(["scenario", "req/s", "turn", "mean TTFT on", "mean TTFT off", "off/on"],
+                 rows) if rows else ""
+
+
+def plot_turns(summary: list[dict[str, Any]], path: Path) -> bool:
+    rows = [s for s in summary if len(s.get("ttft_by_turn_s_on") or []) > 1]
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(rows), figsize=(4.5 * len(rows), 3.4), squeeze=False)
+    for ax, s in zip(axes[0], rows, strict=True):
+        for m, style in (("off", "o--"), ("on", "s-")):
+            ys = s[f"ttft_by_turn_s_{m}"]
+            ax.plot(range(1, len(ys) + 1), ys, style, label=f"caching {m}")
+        ax.set_title(f"{s['scenario']}, {s['rate']:g} req/s "
+                     f"(mean {s['ttft_ratio_off_on_median'] or 0:.2f}x)")
+        ax.set_xlabel("turn")
+        ax.set_ylabel("mean TTFT (s), median of repeats")
+        ax.set_xticks(range(1, len(s["ttft_by_turn_s_on"]) + 1))
+        ax.set_ylim(bottom=0)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def report(out: Path) -> int:
+    """Re-summarize the passes in `out` (results.json and each pass's bench output)."""
+    data = json.loads((out / "results.json").read_text())
+    for p in data["passes"]:
+        f = out / f"{p['scenario']}-{p['rate']:g}-{p['mode']}-{p['repeat']}.json"
+        if "ttft_by_turn_s" not in p and f.exists():
+            (row,) = json.loads(f.read_text())["results"]
+            p["ttft_by_turn_s"] = _ttft_by_turn(row, SCENARIOS[p["scenario"]])
+    data["summary"] = summarize(data["passes"])
+    (out / "results.json").write_text(json.dumps(data, indent=1))
+    text, turns = render(data["summary"]), render_turns(data["summary"])
+    print(text)
+    (out / "table.md").write_text(text + "\n")
+    if turns:
+        print(turns)
+        (out / "turns.md").write_text(turns + "\n")
+    if plot_turns(data["summary"], out / "ttft_by_turn.png"):
+        print(f"wrote {out / 'ttft_by_turn.png'}")
+    return 0
 
 
 def _fmt(v: Any, spec: str = ".3f") -> str:
@@ -181,6 +272,8 @@ def render(summary: list[dict[str, Any]]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
+    if args.report:
+        return report(out)
     out.mkdir(parents=True, exist_ok=True)
     names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCENARIOS]
@@ -205,10 +298,6 @@ def run(args: argparse.Namespace) -> int:
                         {"machine": facts, "args": {k: v for k, v in vars(args).items()
                                                     if k != "func"}, "passes": passes,
                          "summary": summarize(passes)}, indent=1))
-    summary = summarize(passes)
-    text = render(summary)
-    print(text)
-    (out / "table.md").write_text(text + "\n")
     (out / "command.txt").write_text(" ".join(["superinfer", "bench", "prefix-cache",
                                                *sys.argv[3:]]) + "\n")
-    return 0
+    return report(out)
