@@ -185,8 +185,9 @@ def summarize(passes: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _by_turn_median(rows: list[dict[str, Any]]) -> list[float | None]:
-    per = [r.get("ttft_by_turn_s") for r in rows]
-    if not per or any(p is None for p in per):
+    per: list[list[float | None]] = [r["ttft_by_turn_s"] for r in rows
+                                     if r.get("ttft_by_turn_s") is not None]
+    if not per or len(per) < len(rows):
         return []
     return [_median([{"v": p[t]} for p in per], "v") for t in range(len(per[0]))]
 
