@@ -104,6 +104,7 @@ class Generation:
         self.request_id = request.request_id
         self.prompt_tokens = len(request.prompt_token_ids)
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache (final event)
         self.finish_reason: str | None = None  # set once every choice has finished
         self.choices = [Choice(OutputTracker(model.tokenizer, stop))
                         for _ in range(max(1, request.n))]
@@ -194,6 +195,8 @@ class Generation:
         ids = list(event.token_ids)
         if ids:
             self._record_tokens(len(ids))
+        if event.finish_reason:
+            self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
         if event.finish_reason == "error":
             self._scheduler_done = True
             raise APIError(500, "the engine failed while generating this request",

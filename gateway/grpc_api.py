@@ -70,6 +70,7 @@ class SuperInferServicer(client_pb2_grpc.SuperInferServicer):
                             completion_tokens=gen.completion_tokens,
                             index=delta.index,
                             logprobs=logprobs_to_proto(delta.logprobs),
+                            cached_tokens=gen.cached_tokens,
                         )
                         if delta.index == 0 and not sent_prompt and gen.prompt_logprobs:
                             event.prompt_logprobs.extend(logprobs_to_proto(gen.prompt_logprobs))

@@ -3,8 +3,8 @@
 The first choice (the leader) is an ordinary request. The others (followers) wait in the
 waiting queue with `Request.fork_of` set, which admission skips, until the leader has
 settled its prompt's full blocks on the device. Then each follower gets the leader's first
-k = (prompt_len - 1) // block_size blocks in its own table (shared: the block manager
-counts their owners, `shared_blocks.py`), starts RUNNING with k * block_size tokens
+k = (prompt_len - 1) // block_size blocks in its own table (shared: the block manager's
+reference counts, the ones prefix caching uses), starts RUNNING with k * block_size tokens
 computed, computes the rest of the prompt itself (1 to block_size tokens) and samples
 with its own seed stream.
 
@@ -13,7 +13,8 @@ copy on write: the one block the leader fills further (its last, partly full pro
 block) is recomputed by each follower instead of copied, at most block_size - 1 tokens.
 A follower the leader cannot serve (the prompt is shorter than a block, or the leader
 finishes or is gone before its blocks settle) is released to compute the prompt alone.
-After a rotation or a recompute, sharing ends (each request owns its blocks again).
+A rotation keeps the sharing (a rotated choice drops its references; a block another choice
+still holds stays on the device); a recompute ends it for that choice.
 """
 
 from __future__ import annotations
