@@ -132,6 +132,7 @@ def test_loglikelihood_task_accuracy_and_each_loglikelihood_equal_hf(
         assert len(s_ll) == len(h_ll) == 3
         worst = max(worst, *(abs(a - b) for a, b in zip(s_ll, h_ll, strict=True)))
         assert [bool(r[1]) for r in s["filtered_resps"]] == [bool(r[1]) for r in h["filtered_resps"]]
+    print(f"{LL_TASK}: acc served {acc_s} hf {acc_h}; worst log-likelihood gap {worst:.2e}")
     assert worst <= LL_TOL, worst
     assert acc_s > 1 / 3  # the model knows some capitals: the scores are not noise
 
@@ -145,4 +146,5 @@ def test_generation_task_exact_match_equals_hf(
     assert len(s_docs) == 12
     assert {d: s["filtered_resps"] for d, s in s_docs.items()} == {
         d: h["filtered_resps"] for d, h in h_docs.items()}
+    print(f"{GEN_TASK}: exact_match served {em_s} hf {hf['results'][GEN_TASK]['exact_match,none']}")
     assert em_s > 0

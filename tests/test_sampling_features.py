@@ -159,9 +159,13 @@ def test_n4_seeded_choices_distinct_reproducible_and_sharing_blocks(base: LLMEng
     peak_solo, shared_solo, sep = _peak_used_blocks(solo, sids)
     assert [r.token_ids for r in sep] == texts  # sharing changes no token
     full = (len(prompt) - 1) // 16
+    one = -(-(len(prompt) + sp.max_tokens) // 16)  # blocks of one choice at its longest
     assert shared == full and shared_solo == 0
-    # Each follower saves the full prompt blocks it shares.
-    assert peak_solo - peak_n == 3 * full, (peak_solo, peak_n)
+    # Measured (150-token prompt, 12 tokens each): n=4 peaks at 15 device blocks, four
+    # separate requests at 43. At most one choice's blocks plus each follower's own ...
+    assert peak_n <= one + 3 * (one - full), (peak_n, one, full)
+    # ... while four separate requests hold the prompt four times over.
+    assert peak_solo >= peak_n + 3 * full - 3, (peak_solo, peak_n)
     eng.scheduler.check_integrity()
     assert eng.stats()["device_blocks_free"] == 128
 
@@ -293,8 +297,18 @@ def test_logit_bias_and_penalties_on_the_model(base: LLMEngine) -> None:
                                                     ignore_eos=True,
                                                     logit_bias={1000: 100.0}))[0]
     assert forced.token_ids == [1000] * 4
-    pen = base.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
-                                                 frequency_penalty=2.0))[0]
-    # Greedy repeats the pattern; a strong frequency penalty cannot repeat any token 8 times.
-    assert pen.token_ids != greedy.token_ids
-    assert max(pen.token_ids.count(t) for t in pen.token_ids) < 4
+    # Greedy under penalties picks the argmax of the penalised logits. The raw logprobs'
+    # top 20 (log-softmax: the logits less one constant per row) show it.
+    f, pr = 1.5, 0.5
+    pen = base.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                 frequency_penalty=f, presence_penalty=pr,
+                                                 logprobs=20))[0]
+    for i, tl in enumerate(pen.logprobs):
+        seen = pen.token_ids[:i]
+        score = {t: v - f * seen.count(t) - pr * (t in seen)
+                 for t, v in zip(tl.top_ids, tl.top_logprobs, strict=True)}
+        assert tl.token_id == pen.token_ids[i]
+        assert tl.token_id in score, i  # the winner is among the raw top 20
+        assert score[tl.token_id] >= max(score.values()) - 1e-4, (i, score)
+    # And the penalties acted: some step did not take the model's own favourite.
+    assert any(tl.top_ids[0] != tl.token_id for tl in pen.logprobs)
