@@ -145,7 +145,9 @@ def test_n4_seeded_choices_distinct_reproducible_and_sharing_blocks(base: LLMEng
     prompt = base.encode_prompt(ECHO_TEXT * 2)  # 150 tokens: 9 full blocks of 16
     sp = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
 
-    eng = LLMEngine(EngineConfig(device_blocks=128, host_blocks=0), reuse=base)
+    # Caching off: the sharing measured is the fork's alone.
+    eng = LLMEngine(EngineConfig(device_blocks=128, host_blocks=0, enable_prefix_caching=False),
+                    reuse=base)
     ids = eng.add_choices(prompt, sp, 4)
     peak_n, shared, first = _peak_used_blocks(eng, ids)
     texts = [r.token_ids for r in first]
@@ -154,7 +156,8 @@ def test_n4_seeded_choices_distinct_reproducible_and_sharing_blocks(base: LLMEng
     assert [r.token_ids for r in again] == texts  # reproducible with the seed
 
     # The same four streams as four separate requests: no sharing.
-    solo = LLMEngine(EngineConfig(device_blocks=128, host_blocks=0), reuse=base)
+    solo = LLMEngine(EngineConfig(device_blocks=128, host_blocks=0, enable_prefix_caching=False),
+                     reuse=base)
     sids = [solo.add_request(prompt, replace(sp, seed=child_seed(sp.seed, i))) for i in range(4)]
     peak_solo, shared_solo, sep = _peak_used_blocks(solo, sids)
     assert [r.token_ids for r in sep] == texts  # sharing changes no token
@@ -170,8 +173,9 @@ def test_n4_seeded_choices_distinct_reproducible_and_sharing_blocks(base: LLMEng
     assert eng.stats()["device_blocks_free"] == 128
 
 
-@pytest.mark.parametrize("policy", ["lvf", "fcfs"])
-def test_n4_shared_blocks_survive_rotation_and_recompute(base: LLMEngine, policy: str) -> None:
+@pytest.mark.parametrize(("policy", "caching"), [("lvf", True), ("fcfs", True), ("lvf", False)])
+def test_n4_shared_blocks_survive_rotation_and_recompute(base: LLMEngine, policy: str,
+                                                         caching: bool) -> None:
     """A pool too small for the four choices: shared blocks are rotated out (or dropped for
     a recompute) and back; every choice's tokens equal the roomy pool's, no block leaks."""
     prompt = base.encode_prompt(ECHO_TEXT * 2)
@@ -179,7 +183,8 @@ def test_n4_shared_blocks_survive_rotation_and_recompute(base: LLMEngine, policy
     roomy = LLMEngine(EngineConfig(device_blocks=128, host_blocks=0), reuse=base)
     want = [r.token_ids for r in roomy.run_to_completion(roomy.add_choices(prompt, sp, 4))]
     tight = LLMEngine(EngineConfig(device_blocks=16, host_blocks=256, policy=policy,
-                                   ttft_slo=0.5, tbt_slo=0.05), reuse=base)
+                                   ttft_slo=0.5, tbt_slo=0.05, enable_prefix_caching=caching),
+                      reuse=base)
     got = [r.token_ids for r in tight.run_to_completion(tight.add_choices(prompt, sp, 4))]
     assert got == want
     st = tight.stats()
