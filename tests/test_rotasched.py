@@ -301,3 +301,22 @@ def test_the_gateway_exports_the_miss_histograms_as_prometheus_histograms() -> N
     assert got[("superinfer_slo_miss_phase_seconds_count", "ttft", "waiting", None)] == 1.0
     assert got[("superinfer_slo_miss_phase_seconds_bucket", "ttft", "waiting", "2.5")] == 0.0
     assert got[("superinfer_slo_miss_phase_seconds_bucket", "ttft", "waiting", "+Inf")] == 1.0
+
+
+def test_the_issue18_claim_is_checked_from_one_and_a_half_times_saturation() -> None:
+    from superinfer.bench.experiment import pareto_claim
+
+    def row(policy: str, rps: float, ttft: float, tbt: float, good: float) -> dict:
+        return {"policy": policy, "rps": rps, "ttft_attainment": ttft,
+                "tbt_attainment": tbt, "goodput_rps": good}
+
+    rows = [row("lvf", 0.7, 0.5, 0.5, 0.0), row("waiting-first", 0.7, 1.0, 1.0, 1.0),
+            row("lvf", 1.05, 0.9, 0.95, 0.5), row("waiting-first", 1.05, 0.95, 0.9, 0.4),
+            row("lvf", 1.4, 0.8, 0.95, 0.3), row("waiting-first", 1.4, 0.8, 0.96, 0.2)]
+    verdict = pareto_claim(rows, saturation=0.7)
+    # 0.7 req/s (1x) is not checked; at 1.4 waiting-first is as good on TTFT, better on TBT.
+    assert [r["rate"] for r in verdict["rates"]] == [1.05, 1.4]
+    assert verdict["rates"][0]["holds"] and not verdict["rates"][1]["holds"]
+    assert verdict["rates"][1]["dominated_by"] == ["waiting-first"]
+    assert verdict["holds"] is False
+    assert pareto_claim(rows, saturation=None)["holds"] is None
