@@ -169,7 +169,8 @@ class EngineCore:
             self._charge_stall(out, worker_busy=False)
             t0 = self.timer()
             result = await self.executor.execute(out.iteration, out.chunks)
-            self._executed(result, self.timer() - t0, self.timer() - t0)
+            called = self.timer() - t0
+            self._executed(result, called, called)
             self._idle_since = self.timer()
         events = sched.update_from_output(out, result or ExecuteResult(sampled={}))
         self._trace(out, start, span, moved, result)
@@ -234,7 +235,7 @@ class EngineCore:
             if wait_for_copies and out.chunks:
                 await self._finish_after()  # batch t+1 reads those blocks
                 self._batch = self._launch(out, after, False)
-        self._trace(out, start, span, moved, result)
+        self._trace(out, start, span, moved, result, prev.out if prev is not None else None)
         return StepResult(out, events, moved, result, in_flight=not self.idle)
 
     def _launch(self, out: SchedulerOutput, after: int, worker_busy: bool) -> _Batch:
@@ -334,7 +335,8 @@ class EngineCore:
         st.execute_wait_s += waited_s
 
     def _trace(self, out: SchedulerOutput, start: float, span: tuple[float, float] | None,
-               moved: TransferResult | None, result: ExecuteResult | None) -> None:
+               moved: TransferResult | None, result: ExecuteResult | None,
+               executed: SchedulerOutput | None = None) -> None:
         if self.trace is None:
             return
         # The worker's compute, drawn where it ended (the batch's output just landed).
@@ -344,7 +346,7 @@ class EngineCore:
             out, start, transfer=span,
             d2h_s=moved.d2h_s if moved else 0.0, h2d_s=moved.h2d_s if moved else 0.0,
             execute=execute, execute_s=result.execute_s if result else None,
-            load=scheduler_load(self.scheduler),
+            executed=executed, load=scheduler_load(self.scheduler),
         )
 
     def _trace_copies(self, plan: TransferPlan, start: float, moved: TransferResult) -> None:

@@ -96,10 +96,12 @@ class Trace:
         h2d_s: float = 0.0,
         execute: tuple[float, float] | None = None,
         execute_s: float | None = None,
+        executed: SchedulerOutput | None = None,
         load: dict[str, float] | None = None,
     ) -> None:
         """One iteration: `start` = when schedule() began; (start, seconds) pairs for the
-        transfer wait and the execute call, all on the scheduler's clock."""
+        transfer wait and the execute call, all on the scheduler's clock. `executed`: the
+        iteration whose batch the execute span is (pipelined: the one before `out`)."""
         plan = out.transfers
         self.span("schedule", f"iteration {out.iteration}", start, out.decision_s, {
             "chunks": len(out.chunks), "prefill_tokens": out.num_prefill_tokens,
@@ -120,7 +122,8 @@ class Trace:
                           {"swap_in_blocks": len(plan.swap_in)})
         if execute is not None:
             t, dur = execute
-            args: dict[str, Any] = {"tokens": out.num_prefill_tokens + out.num_decode_tokens}
+            ran = executed or out
+            args: dict[str, Any] = {"iteration": ran.iteration, "tokens": ran.num_tokens}
             if execute_s is not None:
                 args["compute_s"] = round(execute_s, 6)
             self.span("execute", "execute", t, dur, args)

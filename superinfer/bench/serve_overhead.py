@@ -5,7 +5,8 @@ ignored, a fixed number of new tokens). The served side streams SSE through the 
 which talks gRPC to the scheduler, which drives the worker and kvmem; the in-process side
 runs the same scheduler and model in this process. The ratio of decode throughputs is
 the price of the process split, tokenization/detokenization and HTTP. Timings on a
-shared CPU are noisy: read the ratio, and repeat when in doubt.
+shared CPU are noisy: the two sides run in turn (served, in-process, served, …), each
+pair gives a ratio, and the median ratio of `--repeats` pairs is the result.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -47,7 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=32, help="concurrent requests")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     p.add_argument("--device-blocks", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=1, help="runs per side; the best is kept")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="pairs of runs (served, then in-process); the median ratio is reported")
     p.add_argument("--url", default=None,
                    help="an already running gateway (default: start a full stack here)")
     p.add_argument("--startup-timeout", type=float, default=300.0)
@@ -131,41 +134,52 @@ def _start_stack(run_dir: Path, device_blocks: int, timeout_s: float,
     return sup, f"http://{addr['http']}"
 
 
-def _served(args: argparse.Namespace, prompts: list[str]) -> Measure:
-    sup = None
-    url = args.url
-    tmp = tempfile.TemporaryDirectory(prefix="superinfer-overhead-")
-    try:
-        if url is None:
-            sup, url = _start_stack(Path(tmp.name), args.device_blocks, args.startup_timeout)
-        asyncio.run(_served_once(url, prompts[:2], 4))  # warm-up
-        runs = [asyncio.run(_served_once(url, prompts, args.max_tokens)) for _ in range(args.repeats)]
-    finally:
-        if sup is not None:
-            sup.stop_all()
-        tmp.cleanup()
-    return max(runs, key=lambda m: m.decode_tok_s)
+class _Served:
+    """A stack (started here, or --url) to measure again and again."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.sup: Supervisor | None = None
+        self.tmp = tempfile.TemporaryDirectory(prefix="superinfer-overhead-")
+        self.url = args.url
+        if self.url is None:
+            self.sup, self.url = _start_stack(Path(self.tmp.name), args.device_blocks,
+                                              args.startup_timeout)
+
+    def measure(self, prompts: list[str], new: int) -> Measure:
+        assert self.url is not None
+        return asyncio.run(_served_once(self.url, prompts, new))
+
+    def close(self) -> None:
+        if self.sup is not None:
+            self.sup.stop_all()
+        self.tmp.cleanup()
 
 
 # -- in-process --------------------------------------------------------------------------------
 
 
-def _in_process(args: argparse.Namespace, prompts: list[str]) -> Measure:
-    import torch
+class _InProcess:
+    """The same scheduler and model in this process."""
 
-    from common.config import EngineConfig
-    from scheduler_svc.request import SamplingParams
-    from superinfer.engine import LLMEngine
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    engine = LLMEngine(EngineConfig(device_blocks=args.device_blocks, host_blocks=0))
-    ids = [engine.encode_prompt(p) for p in prompts]
-    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        from common.config import EngineConfig
+        from superinfer.engine import LLMEngine
 
-    def once(batch: list[list[int]], sp: SamplingParams) -> Measure:
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        self.engine = LLMEngine(EngineConfig(device_blocks=args.device_blocks, host_blocks=0))
+
+    def measure(self, prompts: list[str], new: int) -> Measure:
+        from scheduler_svc.request import SamplingParams
+
+        engine = self.engine
+        sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
         t0 = time.monotonic()
-        rids = [engine.add_request(p, sp, arrival_time=t0) for p in batch]
+        rids = [engine.add_request(engine.encode_prompt(p), sp, arrival_time=t0)
+                for p in prompts]
         first: dict[str, float] = {}
         counts = dict.fromkeys(rids, 0)
         while engine.scheduler.has_unfinished():
@@ -179,11 +193,11 @@ def _in_process(args: argparse.Namespace, prompts: list[str]) -> Measure:
             engine.trackers.pop(rid, None)
         f = [first[r] for r in rids]
         n = [counts[r] for r in rids]
-        return Measure("in-process LLMEngine", len(batch), sum(n), end - t0,
+        return Measure("in-process LLMEngine", len(prompts), sum(n), end - t0,
                        sum(x - t0 for x in f) / len(f), _decode_rate(n, f, end))
 
-    once(ids[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
-    return max((once(ids, sampling) for _ in range(args.repeats)), key=lambda m: m.decode_tok_s)
+    def close(self) -> None:
+        self.engine.close()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -194,26 +208,52 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the started services
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
-    served = _served(args, prompts)
-    measures = [served]
-    if not args.skip_engine:
-        measures.append(_in_process(args, prompts))
+    sides: list[_Served | _InProcess] = []
+    runs: list[list[Measure]] = []
+    try:
+        sides.append(_Served(args))
+        if not args.skip_engine:
+            sides.append(_InProcess(args))
+        for side in sides:
+            side.measure(prompts[:2], 4)  # warm-up
+        runs = [[] for _ in sides]
+        for i in range(args.repeats):  # in turn, so that both sides see the same machine
+            for side, out in zip(sides, runs):
+                out.append(side.measure(prompts, args.max_tokens))
+                print(f"repeat {i + 1}: {out[-1].path}: {out[-1].decode_tok_s:.1f} decode tok/s",
+                      file=sys.stderr, flush=True)
+    finally:
+        for side in sides:
+            side.close()
+    medians = [_median_measure(r) for r in runs]
     rows = [[m.path, m.requests, m.new_tokens, m.wall_s, m.mean_ttft_s, m.total_tok_s,
-             m.decode_tok_s] for m in measures]
+             m.decode_tok_s] for m in medians]
+    print(f"medians of {args.repeats} runs per side")
     print(table(["path", "requests", "new tokens", "wall s", "mean TTFT s", "tok/s", "decode tok/s"],
                 rows))
     result: dict[str, object] = {
         "workload": {"requests": args.requests, "max_tokens": args.max_tokens,
                      "device_blocks": args.device_blocks, "greedy": True, "ignore_eos": True,
-                     "threads": args.threads},
-        "measures": [{**asdict(m), "total_tok_s": m.total_tok_s} for m in measures],
+                     "threads": args.threads, "repeats": args.repeats},
+        "measures": [{**asdict(m), "total_tok_s": m.total_tok_s} for m in medians],
+        "runs": [[{**asdict(m), "total_tok_s": m.total_tok_s} for m in r] for r in runs],
     }
-    if len(measures) == 2 and measures[1].decode_tok_s > 0:
-        ratio = measures[0].decode_tok_s / measures[1].decode_tok_s
-        result["decode_ratio_gateway_over_in_process"] = ratio
-        print(f"decode throughput, gateway / in-process: {ratio:.3f}")
+    if len(runs) == 2:
+        ratios = [a.decode_tok_s / b.decode_tok_s for a, b in zip(*runs) if b.decode_tok_s > 0]
+        if ratios:
+            ratio = statistics.median(ratios)
+            result["decode_ratio_gateway_over_in_process"] = ratio
+            result["decode_ratios"] = ratios
+            print(f"decode throughput, gateway / in-process: median {ratio:.3f} "
+                  f"(pairs: {', '.join(f'{r:.3f}' for r in ratios)})")
     write_json(args.json, result)
     return 0
+
+
+def _median_measure(runs: list[Measure]) -> Measure:
+    """The run with the median decode throughput (a real run, not a blend)."""
+    ordered = sorted(runs, key=lambda m: m.decode_tok_s)
+    return ordered[(len(ordered) - 1) // 2]
 
 
 if __name__ == "__main__":
