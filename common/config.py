@@ -50,6 +50,10 @@ class EngineConfig:
     # of their TTFT SLO.
     prefill_within: float = 0.5
     eager_budget_blocks: int = 32
+    # Automatic prefix caching (vLLM's flag): requests share the KV of full blocks whose
+    # tokens (and all before them) match; freed ones stay cached on the device and, through
+    # the eager host copies, in host memory (scheduler_svc/prefix_cache.py).
+    enable_prefix_caching: bool = True
     # Plan and copy iteration t+1 while t executes (scheduler_svc/engine_core.py);
     # False: the serial step, the baseline.
     pipeline: bool = True
@@ -133,6 +137,10 @@ class EngineConfig:
                        help="decode seats leave room to prefill new prompts within this share "
                             "of their TTFT SLO (with --iteration-budget)")
         s.add_argument("--eager-budget-blocks", type=int, default=32)
+        s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=True,
+                       help="reuse the KV of cached prompt prefixes, from device memory or "
+                            "(eager host copies) host memory (--no-enable-prefix-caching: off)")
         s.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=True,
                        help="plan and copy the next iteration while this one executes "
                             "(--no-pipeline: the serial step, the baseline)")

@@ -84,8 +84,10 @@ def _hf(model: Any, prompts: list[list[int]], new: int) -> tuple[float, float]:
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
+    # Prefix caching off: every repeat runs the same prompts, and this measures the forward
+    # pass (a cached prompt's TTFT would say nothing about it).
     engine = LLMEngine(EngineConfig(device_blocks=2048, host_blocks=0,
-                                    max_batched_tokens=4096))
+                                    max_batched_tokens=4096, enable_prefix_caching=False))
     hf = None
     if not args.no_hf:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
