@@ -29,8 +29,8 @@ from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.remote import RemoteKVMem, RemoteWorker
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import RequestEvent, Scheduler
-from scheduler_svc.slo_attribution import MissHistograms
 from scheduler_svc.setup import model_identity
+from scheduler_svc.slo_attribution import MissHistograms
 from scheduler_svc.trace import Trace
 
 log = structlog.get_logger()
