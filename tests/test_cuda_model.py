@@ -82,8 +82,9 @@ def test_runner_matches_transformers_over_prefill_chunks_and_decodes(
     prompts = {r: rng.integers(0, cfg.vocab_size, n).tolist()
                for r, n in (("a", 7), ("b", 13), ("c", 5))}
     tables = {"a": [9, 2, 14], "b": [5, 11, 0, 7, 3], "c": [12, 6, 15]}  # scattered
-    pool = torch.zeros((16, cfg.num_layers, 2, BS, cfg.num_kv_heads, cfg.head_dim))
-    model = CudaLlama(cfg, dict(weights), "cpu", torch.float32)
+    pool = torch.zeros((16, cfg.num_layers, 2, BS, cfg.num_kv_heads, cfg.head_dim),
+                       device=DEVICE)
+    model = CudaLlama(cfg, dict(weights), DEVICE, torch.float32)
     runner = CudaModelRunner(model, pool, BS, max_batch=8)
     seqs = {r: list(p) for r, p in prompts.items()}
     worst = 0.0
@@ -93,7 +94,7 @@ def test_runner_matches_transformers_over_prefill_chunks_and_decodes(
 
     def run(step: list[ScheduledChunk]) -> None:
         nonlocal worst
-        got = runner.logits(step)
+        got = runner.logits(step).cpu()  # on a GPU decodes replay the CUDA graphs
         rows = [c for c in step if c.sample]
         assert got.shape[0] == len(rows)
         for c, row in zip(rows, got, strict=True):
@@ -118,8 +119,9 @@ def test_runner_matches_transformers_over_prefill_chunks_and_decodes(
 def test_padding_a_decode_batch_changes_no_real_row_and_writes_no_kv(
         weights: dict[str, torch.Tensor]) -> None:
     cfg = tiny_config()
-    model = CudaLlama(cfg, dict(weights), "cpu", torch.float32)
-    pool = torch.randn((12, cfg.num_layers, 2, BS, cfg.num_kv_heads, cfg.head_dim))
+    model = CudaLlama(cfg, dict(weights), DEVICE, torch.float32)
+    pool = torch.randn((12, cfg.num_layers, 2, BS, cfg.num_kv_heads, cfg.head_dim),
+                       device=DEVICE)
     runner = CudaModelRunner(model, pool, BS, max_batch=8, max_model_len=32)
     batch = build_batch([chunk("x", [3], 6, [4, 8]), chunk("y", [17], 9, [1, 2, 10])], BS)
     plan = runner.plan
@@ -154,7 +156,8 @@ def test_graph_plan_buckets() -> None:
 
 def test_position_past_the_context_is_refused(weights: dict[str, torch.Tensor]) -> None:
     cfg = tiny_config()
-    pool = torch.zeros((40, cfg.num_layers, 2, BS, cfg.num_kv_heads, cfg.head_dim))
-    runner = CudaModelRunner(CudaLlama(cfg, dict(weights), "cpu", torch.float32), pool, BS)
+    pool = torch.zeros((40, cfg.num_layers, 2, BS, cfg.num_kv_heads, cfg.head_dim),
+                       device=DEVICE)
+    runner = CudaModelRunner(CudaLlama(cfg, dict(weights), DEVICE, torch.float32), pool, BS)
     with pytest.raises(ValueError, match="past the model's context"):
         runner.logits([chunk("a", [1], cfg.max_position, list(range(cfg.max_position // BS + 1)))])
