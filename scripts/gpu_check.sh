@@ -109,6 +109,6 @@ rc_tests=$?
 step bench_transfer 120 $PY -m superinfer.bench.transfer --device cuda --repeats 5 \
   --shapes qwen2.5-32b,llama-3-8b --nt-threshold default --json "$OUT/bench_transfer_gpu.json"
 step kill9 180 $PY -m pytest -q -s -p no:cacheprovider tests/test_cuda_recovery.py
-step gpu_worker 200 $PY -m superinfer.bench.gpu_worker --parts greedy,decode --batches 1,32,256 \
+step gpu_worker 200 $PY -m superinfer.bench.gpu_worker --parts greedy,decode,attention --batches 1,32,256 \
   --context 1024 --steps 30 --transfer-json "$OUT/bench_transfer_gpu.json" \
   --kill9-json "$OUT/kill9.json" --pytest-rc "$rc_tests" --json "$OUT/gpu_check.json"

@@ -82,13 +82,18 @@ needs_interpreter = pytest.mark.skipif(
 def test_dry_run_of_decode_through_the_cuda_runner(tmp_path: Path) -> None:
     pytest.importorskip("triton")
     out = tmp_path / "gw.json"
-    rc = gpu_worker.run(args(dry_run=True, parts="decode", batches="1,3", context=6, steps=2,
+    rc = gpu_worker.run(args(dry_run=True, parts="decode,attention", batches="1,3", context=6,
+                             steps=2,
                              peak_bw_gbs=1.0, peak_tflops=1.0, json=str(out)))
     assert rc == 0
     r = json.loads(out.read_text())
     assert set(r["decode_tok_s"]) == {"1", "3"} and all(v > 0 for v in r["decode_tok_s"].values())
     assert r["decode"]["random_weights"] and r["roofline_fraction"]["3"] > 0
     assert r["decode"]["per_batch"]["3"]["eager_steps"] == 5  # no graphs on the CPU
+    # every tile choice of the decode attention kernel gives the same output
+    configs = r["attention"]["configs"]
+    assert len(configs) == len(gpu_worker.ATTENTION_CONFIGS) and r["attention"]["batch"] == 3
+    assert all(c["max_diff_vs_first"] < 1e-5 and c["gbps"] > 0 for c in configs)
 
 
 @pytest.mark.slow

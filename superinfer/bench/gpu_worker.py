@@ -49,7 +49,8 @@ PEAKS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "A100": (2.039e12,
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--parts", default="greedy,decode", help="greedy, decode (comma-separated)")
+    p.add_argument("--parts", default="greedy,decode,attention",
+                   help="greedy, decode, attention (comma-separated)")
     p.add_argument("--prompts", type=int, default=len(PROMPTS))
     p.add_argument("--greedy-tokens", type=int, default=32)
     p.add_argument("--batches", default="1,32,256")
@@ -224,6 +225,57 @@ def run_decode(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
             "per_batch": {str(r["batch"]): r for r in rows}}
 
 
+# -- the decode attention kernel alone, per tile choice -----------------------------------------
+ATTENTION_CONFIGS = [(64, 4, None), (128, 4, None), (64, 8, None), (128, 8, None), (32, 4, 2)]
+
+
+def run_attention(args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+                  ) -> dict[str, Any]:
+    """GB/s of one layer's paged decode attention (block_n, num_warps, num_stages), at the
+    largest batch and --context: the kernel's share of the card's bandwidth, to tune it."""
+    from worker.cuda.kernels import paged_attention
+    from worker.cuda.random_model import llama3_8b_config, tiny_config
+
+    cfg = tiny_config() if args.dry_run else llama3_8b_config()
+    batch, ctx, bs = max(int(b) for b in args.batches.split(",")), args.context, 16
+    nb = -(-(ctx + 1) // bs)
+    hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    g = torch.Generator(device=device).manual_seed(0)
+    pool = torch.randn((batch * nb, 1, 2, bs, hkv, hd), generator=g, device=device,
+                       dtype=torch.float32).to(dtype)
+    q = torch.randn((batch, hq, hd), generator=g, device=device, dtype=torch.float32).to(dtype)
+    i32 = torch.int32
+    tables = torch.arange(batch * nb, dtype=i32, device=device).view(batch, nb)
+    starts = torch.arange(batch, dtype=i32, device=device)
+    ones = torch.ones(batch, dtype=i32, device=device)
+    ctx_start = torch.full((batch,), ctx, dtype=i32, device=device)
+    kv_bytes = batch * (ctx + 1) * 2 * hkv * hd * pool.element_size()
+    bw, _ = peaks(args, device)
+    iters = 2 if args.dry_run else 50
+    rows, ref = [], None
+    for bn, warps, stages in ATTENTION_CONFIGS:
+        def call(bn: int = bn, warps: int = warps, stages: int | None = stages) -> torch.Tensor:
+            return paged_attention(q, pool[:, 0, 0], pool[:, 0, 1], tables, starts, ones,
+                                   ctx_start, 1, hd ** -0.5, block_n=bn, num_warps=warps,
+                                   num_stages=stages)
+
+        out = call()
+        ref = out if ref is None else ref
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = (time.perf_counter() - t0) / iters
+        rows.append({"block_n": bn, "num_warps": warps, "num_stages": stages, "us": dt * 1e6,
+                     "gbps": kv_bytes / dt / 1e9,
+                     "share_of_peak_bw": kv_bytes / dt / bw if bw else None,
+                     "max_diff_vs_first": float((out.float() - ref.float()).abs().max())})
+    return {"batch": batch, "context": ctx, "kv_bytes_per_layer": kv_bytes, "configs": rows}
+
+
 # -- the other checks' results ---------------------------------------------------------------------
 def merge_transfer(path: str) -> dict[str, Any]:
     data = json.loads(Path(path).read_text())
@@ -287,7 +339,7 @@ def verdicts(result: dict[str, Any]) -> list[list[Any]]:
 
 def run(args: argparse.Namespace) -> int:
     parts = [p for p in args.parts.split(",") if p]
-    if unknown := set(parts) - {"greedy", "decode"}:
+    if unknown := set(parts) - {"greedy", "decode", "attention"}:
         print(f"unknown --parts {sorted(unknown)}", file=sys.stderr)
         return 2
     if args.dry_run:
@@ -311,6 +363,8 @@ def run(args: argparse.Namespace) -> int:
                                   for b, r in result["decode"]["per_batch"].items()}
         result["roofline_fraction"] = {b: r.get("roofline_fraction")
                                        for b, r in result["decode"]["per_batch"].items()}
+    if "attention" in parts:
+        result["attention"] = run_attention(args, device, dtype)
     if args.transfer_json and Path(args.transfer_json).exists():
         result["transfer"] = merge_transfer(args.transfer_json)
         big = [r for r in result["transfer"].values() if (r["block_bytes"] or 0) >= 2 << 20]
@@ -331,6 +385,15 @@ def run(args: argparse.Namespace) -> int:
                       f"{r['roofline_fraction']:.2f}" if "roofline_fraction" in r else "-",
                       r.get("bound", "-"), f"{r['graph_steps']}/{r['graph_steps'] + r['eager_steps']}"]
                      for r in result["decode"]["per_batch"].values()]))
+    if "attention" in result:
+        a = result["attention"]
+        print(f"paged decode attention, one layer, batch {a['batch']}, context {a['context']} "
+              f"({a['kv_bytes_per_layer'] / 2**20:.0f} MiB of KV):")
+        print(table(["block_n", "warps", "stages", "us", "GB/s", "of peak", "max diff"],
+                    [[r["block_n"], r["num_warps"], r["num_stages"] or "-", f"{r['us']:.1f}",
+                      f"{r['gbps']:.1f}", f"{r['share_of_peak_bw']:.2f}"
+                      if r["share_of_peak_bw"] else "-", f"{r['max_diff_vs_first']:.1e}"]
+                     for r in a["configs"]]))
     if "greedy" in result:
         g = result["greedy"]
         print(f"greedy, {g['model']} {g['dtype']} on {result['device']} vs CPU fp32: "

@@ -115,7 +115,8 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
     ctx_start: torch.Tensor, max_q_len: int, scale: float, out: torch.Tensor | None = None,
-    block_m: int | None = None, block_n: int | None = None,
+    block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention of a flat batch over the paged cache of one layer.
 
@@ -125,6 +126,8 @@ def paged_attention(
     ctx_start[i] + j; its K/V for positions [0, ctx_start[i] + q_len[i]) must already be in
     the cache, found through block_tables[i] (int32, [S, W]). Returns [T, Hq, D].
     `max_q_len` (a Python int) sizes the grid, so the launch needs no device->host read.
+    block_m/block_n/num_warps/num_stages override the tiles and launch (None: the defaults
+    below, not yet tuned on a GPU; `superinfer bench gpu-worker --parts attention` times them).
     """
     T, hq, hd = q.shape
     _, bs, hkv, _ = k_cache.shape
@@ -150,6 +153,8 @@ def paged_attention(
         GROUP=group, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=max(16, triton.next_power_of_2(hd)),
         BLOCK_SIZE=bs, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=q.device.type == "cpu" and q.dtype != torch.float32,
+        **({"num_warps": num_warps} if num_warps else {}),
+        **({"num_stages": num_stages} if num_stages else {}),
     )
     return out
 
