@@ -23,7 +23,14 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no GPU and Triton's interpreter is off", allow_module_level=True)
 
-from worker.cuda.kernels import paged_attention, rms_norm, rope_and_cache, silu_mul  # noqa: E402
+from worker.cuda.kernels import (  # noqa: E402
+    decode_splits,
+    paged_attention,
+    paged_decode_attention,
+    rms_norm,
+    rope_and_cache,
+    silu_mul,
+)
 
 # (q_len, start): a decode is q_len 1; start 0 with q_len > 1 is a fresh prompt chunk.
 Seq = tuple[int, int]
@@ -191,3 +198,48 @@ def test_silu_mul() -> None:
     gu = torch.randn(3, 2 * 40, device=DEVICE)
     want = F.silu(gu[:, :40]) * gu[:, 40:]
     assert torch.allclose(silu_mul(gu, block=16), want, atol=1e-6)
+
+
+SPLIT_CASES = {
+    # name: (Hq, Hkv, head_dim, block_size, decode starts, shared prefix blocks, splits)
+    "two_splits_gqa2": (4, 2, 16, 4, [0, 3, 40, 71], 0, 2),
+    "four_splits_gqa3_partial_blocks": (6, 2, 32, 8, [5, 17, 150], 0, 4),
+    "eight_splits_shared_prefix_short_rows": (4, 1, 16, 4, [2, 60, 33, 130], 3, 8),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+def test_split_decode_attention_matches_sdpa(case: str) -> None:
+    """Flash-decoding: the context split over programs, partials combined; splits that get
+    no key at all (short rows) must weigh nothing. Rows sit at arbitrary q_start."""
+    hq, hkv, hd, bs, starts, shared, splits = SPLIT_CASES[case]
+    rng = random.Random(case)
+    torch.manual_seed(len(case))
+    seqs = [(1, st) for st in starts]
+    num_blocks = 96
+    tables = make_tables(rng, seqs, bs, num_blocks, shared)
+    pool = torch.randn(num_blocks, 2, 2, bs, hkv, hd, device=DEVICE)
+    q = torch.randn(len(seqs), hq, hd, device=DEVICE)
+    want = reference(q, pool, 1, seqs, tables, hd ** -0.5)
+    bt = torch.zeros(len(seqs), max(map(len, tables)) + 1, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = torch.tensor(t)
+    as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    got = paged_decode_attention(q, pool[:, 1, 0], pool[:, 1, 1], bt.to(DEVICE),
+                                 as_i32(list(range(len(seqs)))), as_i32(starts), hd ** -0.5,
+                                 splits, block_n=16)
+    err = (got - want).abs().max().item()
+    print(f"{case}: max |split kernel - SDPA| = {err:.2e}")
+    assert err < 2e-5
+
+
+def test_decode_splits_fill_the_gpu_only_while_it_is_empty() -> None:
+    assert decode_splits(1, 8, 64, 16) == 16  # batch 1 of the 8B shape: 8 programs alone
+    assert decode_splits(32, 8, 64, 16) == 2  # 256 programs: twice 132 SMs with 2
+    assert decode_splits(256, 8, 64, 16) == 1  # 2048 programs already
+    assert decode_splits(1, 8, 1, 16) == 1  # one key tile: nothing to split
+    with pytest.raises(ValueError, match="power of two"):
+        paged_decode_attention(torch.zeros(1, 2, 16), torch.zeros(1, 4, 2, 16),
+                               torch.zeros(1, 4, 2, 16), torch.zeros(1, 1, dtype=torch.int32),
+                               torch.zeros(1, dtype=torch.int32),
+                               torch.zeros(1, dtype=torch.int32), 1.0, 3)

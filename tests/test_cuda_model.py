@@ -84,7 +84,9 @@ def test_runner_matches_transformers_over_prefill_chunks_and_decodes(
     tables = {"a": [9, 2, 14], "b": [5, 11, 0, 7, 3], "c": [12, 6, 15]}  # scattered
     pool = torch.zeros((16, cfg.num_layers, 2, BS, cfg.num_kv_heads, cfg.head_dim),
                        device=DEVICE)
-    model = CudaLlama(cfg, dict(weights), DEVICE, torch.float32)
+    # Key tiles of 16: the decodes below split their context in two (flash-decoding); b's
+    # second half fills as it grows, a's and c's stays empty.
+    model = CudaLlama(cfg, dict(weights), DEVICE, torch.float32, decode_block_n=16)
     runner = CudaModelRunner(model, pool, BS, max_batch=8)
     seqs = {r: list(p) for r, p in prompts.items()}
     worst = 0.0

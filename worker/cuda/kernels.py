@@ -159,6 +159,139 @@ def paged_attention(
     return out
 
 
+# -- decode attention split over the context (flash-decoding) ----------------------------------
+@triton.jit
+def _paged_decode_split(
+    Q, K, V, PART, ML, BT, QSTART, CTXSTART,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_bt, head_dim, qk_scale,
+    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # One decode query per sequence; program (seq, kv head, split) covers keys [lo, hi).
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    q_row = tl.load(QSTART + seq)
+    kv_len = tl.load(CTXSTART + seq) + 1
+    per = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per
+    hi = tl.minimum(lo + per, kv_len)
+    g = tl.arange(0, BLOCK_M)
+    head = kvh * GROUP + g
+    row_ok = g < GROUP
+    d = tl.arange(0, HEAD_DIM)
+    d_ok = d < head_dim
+    q = tl.load(Q + q_row * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        kpos = n0 + tl.arange(0, BLOCK_N)
+        k_ok = kpos < hi
+        blk = tl.load(BT + seq * stride_bt + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        off = kpos % BLOCK_SIZE
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + blk[:, None] * stride_kb + off[:, None] * stride_kt + kvh * stride_kh
+                    + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        s = tl.where(k_ok[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + blk[:, None] * stride_vb + off[:, None] * stride_vt + kvh * stride_vh
+                    + d[None, :], mask=kv_mask, other=0.0)
+        pr = p.to(v.dtype)
+        if UPCAST:
+            pv = tl.dot(pr.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(pr, v, input_precision=DOT_PREC)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    # Partials, unnormalised: PART [S, Hq, NUM_SPLITS, HEAD_DIM], ML [S, Hq, NUM_SPLITS, 2].
+    hq = tl.num_programs(1) * GROUP
+    base = (seq * hq + head) * NUM_SPLITS + split
+    tl.store(PART + base[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
+    tl.store(ML + base * 2, m_i, mask=row_ok)
+    tl.store(ML + base * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _decode_reduce(PART, ML, OUT, QSTART, stride_ot, stride_oh, head_dim,
+                   NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    hq = tl.num_programs(1)
+    sp = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    base = (seq * hq + h) * NUM_SPLITS + sp
+    m = tl.load(ML + base * 2)
+    lsum = tl.load(ML + base * 2 + 1)
+    m_all = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_all))  # empty splits weigh nothing
+    acc = tl.load(PART + base[:, None] * HEAD_DIM + d[None, :])
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(lsum * w, 0)
+    q_row = tl.load(QSTART + seq)
+    tl.store(OUT + q_row * stride_ot + h * stride_oh + d, out.to(OUT.dtype.element_ty),
+             mask=d < head_dim)
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, block_size: int,
+                  sm_count: int = 132, block_n: int = 64) -> int:
+    """How many context splits a decode launch uses: enough programs to fill the GPU twice
+    over, no more than the longest table has key tiles, a power of two up to 16. A function
+    of shapes only, so it is fixed for each CUDA graph bucket."""
+    programs = max(1, num_seqs * num_kv_heads)
+    want = max(1, -(-2 * sm_count // programs))
+    tiles = max(1, -(-max_blocks * block_size // block_n))
+    return min(16, triton.next_power_of_2(min(want, tiles)))
+
+
+def paged_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, q_start: torch.Tensor, ctx_start: torch.Tensor,
+    scale: float, num_splits: int, out: torch.Tensor | None = None, block_n: int = 64,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Decode attention (one query per sequence, at position ctx_start[i]) with the context
+    split `num_splits` ways (a power of two), partials combined by a second small kernel.
+    Same arguments and result as `paged_attention` with max_q_len 1."""
+    T, hq, hd = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    if hq % hkv or num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError("q heads must be a multiple of kv heads; num_splits a power of two")
+    group = hq // hkv
+    if out is None:
+        out = torch.empty_like(q)
+    S = block_tables.shape[0]
+    if S == 0:
+        return out
+    hdp = max(16, triton.next_power_of_2(hd))
+    part = torch.empty((S, hq, num_splits, hdp), dtype=torch.float32, device=q.device)
+    ml = torch.empty((S, hq, num_splits, 2), dtype=torch.float32, device=q.device)
+    launch = {"num_warps": num_warps} if num_warps else {}
+    _launcher(_paged_decode_split, q.device)[(S, hkv, num_splits)](
+        q, k_cache, v_cache, part, ml, block_tables, q_start, ctx_start,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        hd, scale * math.log2(math.e),
+        NUM_SPLITS=num_splits, GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n, HEAD_DIM=hdp, BLOCK_SIZE=bs,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST=q.device.type == "cpu" and q.dtype != torch.float32, **launch)
+    _launcher(_decode_reduce, q.device)[(S, hq)](
+        part, ml, out, q_start, out.stride(0), out.stride(1), hd,
+        NUM_SPLITS=num_splits, HEAD_DIM=hdp)
+    return out
+
+
 # -- RMSNorm with the residual add ------------------------------------------------------------
 @triton.jit
 def _rms_norm(X, R, W, Y, ROUT, n_cols, stride_x, stride_r, stride_y, stride_ro, eps,

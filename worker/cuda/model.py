@@ -4,7 +4,8 @@ Weights in the model's dtype (bf16 on the GPU) on one device; the KV pool is the
 block-first tensor [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] (DESIGN
 §2) and every layer reads and writes it in place through `pool[:, layer, 0/1]`. Per layer:
 fused residual-add + RMSNorm, one qkv GEMM, RoPE + KV write, paged attention over every
-sequence of the batch at once (worker/cuda/kernels.py), o GEMM, add + norm, one gate_up GEMM,
+sequence of the batch at once (worker/cuda/kernels.py; a decode batch too small to fill the
+GPU splits each context over several programs and combines them), o GEMM, add + norm, one gate_up GEMM,
 SiLU-mul, down GEMM: nine launches, no host synchronisation, so the decode step can be
 captured in a CUDA graph (worker/cuda/graphs.py).
 
@@ -20,20 +21,33 @@ import torch
 import torch.nn.functional as F
 
 from worker.cuda.batch import DeviceBatch
-from worker.cuda.kernels import paged_attention, rms_norm, rope_and_cache, silu_mul
+from worker.cuda.kernels import (
+    decode_splits,
+    paged_attention,
+    paged_decode_attention,
+    rms_norm,
+    rope_and_cache,
+    silu_mul,
+)
 from worker.cuda.rope import rope_tables
 from worker.model_config import ModelConfig
 
 
 class CudaLlama:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
-                 device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> None:
+                 device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
+                 decode_block_n: int = 64) -> None:
         """`weights`: the loader's standard tensors (worker/loader.py), on any device; they
         are moved, cast and fused (qkv, gate_up) layer by layer, and removed from the dict
-        as they go, so host memory is released while device memory fills."""
+        as they go, so host memory is released while device memory fills.
+        `decode_block_n`: key tile of the split decode kernel (tests use small ones)."""
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
+        self.decode_block_n = decode_block_n
+        # Decode splits its context over programs until the SMs are full (flash-decoding).
+        self.sm_count = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                         if self.device.type == "cuda" else 132)
 
         def take(name: str) -> torch.Tensor:
             return weights.pop(name).to(self.device, dtype).contiguous()
@@ -79,14 +93,23 @@ class CudaLlama:
         hq, hkv = cfg.num_heads, cfg.num_kv_heads
         x = F.embedding(b.input_ids, self.embed)  # [T, D]
         residual: torch.Tensor | None = None
+        S, W = b.block_tables.shape
+        # Shapes only (fixed per CUDA graph bucket): how many ways decode splits its context.
+        splits = (decode_splits(S, hkv, W, pool.shape[3], self.sm_count, self.decode_block_n)
+                  if b.max_q_len == 1 else 1)
         for li, w in enumerate(self.layers):
             h, residual = rms_norm(x, w["input_norm"], cfg.rms_norm_eps, residual)
             qkv = F.linear(h, w["qkv"], w.get("qkv_bias"))  # [T, (Hq + 2 Hkv) hd]
             k_cache, v_cache = pool[:, li, 0], pool[:, li, 1]  # [nb, bs, Hkv, hd], strided
             q = rope_and_cache(qkv, self.cos, self.sin, b.positions, b.slots, k_cache,
                                v_cache, hq, hkv)  # [T, Hq, hd]
-            attn = paged_attention(q, k_cache, v_cache, b.block_tables, b.q_start, b.q_len,
-                                   b.ctx_start, b.max_q_len, self.scale)
+            if splits > 1:
+                attn = paged_decode_attention(q, k_cache, v_cache, b.block_tables, b.q_start,
+                                              b.ctx_start, self.scale, splits,
+                                              block_n=self.decode_block_n)
+            else:
+                attn = paged_attention(q, k_cache, v_cache, b.block_tables, b.q_start,
+                                       b.q_len, b.ctx_start, b.max_q_len, self.scale)
             x = F.linear(attn.view(attn.shape[0], -1), w["o_proj"])
             h, residual = rms_norm(x, w["post_norm"], cfg.rms_norm_eps, residual)
             x = F.linear(silu_mul(F.linear(h, w["gate_up"])), w["down_proj"])
