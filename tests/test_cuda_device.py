@@ -69,3 +69,31 @@ def test_gpu_pool_too_large_leaves_nothing_allocated() -> None:
     assert torch.cuda.memory_allocated(dev) == before
     small = allocate_cuda_pool((4, 2, 2, 16, 2, 64), torch.bfloat16, dev)
     assert small.shape == (4, 2, 2, 16, 2, 64) and not bool(small.any())
+
+
+CHILD = """
+import sys, torch
+from kvmem_svc.pool import DeviceMapping
+from proto import worker_pb2
+h = worker_pb2.KVPoolHandle.FromString(bytes.fromhex(sys.stdin.read()))
+m = DeviceMapping(h)
+m.tensor[1].fill_(7)
+torch.cuda.synchronize()
+print(m.pool_id, m.kind, float(m.tensor.float().sum()))
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_pool_is_shared_with_another_process_through_its_ipc_handle() -> None:
+    """What kvmem does with the worker's pool: open it from the handle message, write it."""
+    from worker.cuda.device import cuda_device_pool
+
+    pool = cuda_device_pool((3, 2, 2, 16, 2, 64), torch.bfloat16, torch.device("cuda"))
+    handle = pool.handle()
+    assert handle.kind == "cuda_ipc" and handle.cuda_ipc_handle and not handle.shm_name
+    p = subprocess.run([sys.executable, "-c", CHILD], input=handle.SerializeToString().hex(),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    block = 2 * 2 * 16 * 2 * 64
+    assert p.stdout.split() == [pool.pool_id, "cuda_ipc", f"{7.0 * block}"]
+    assert pool.tensor[1].eq(7).all() and not pool.tensor[0].any() and not pool.tensor[2].any()

@@ -11,6 +11,8 @@ import importlib.util
 import torch
 
 from common.errors import SuperInferError
+from common.pool_handle import encode_cuda_ipc
+from worker.kv_pool import DevicePool
 
 DEVICES = ("auto", "cpu", "cuda")
 GIB = 1 << 30
@@ -82,3 +84,13 @@ def allocate_cuda_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch
         raise DeviceError(f"the device KV pool ({num_blocks} blocks, "
                           f"{gib(num_blocks * block_bytes)}) could not be allocated although "
                           f"{gib(free)} were free: lower --device-blocks") from None
+
+
+def cuda_device_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                     headroom_bytes: int = DEFAULT_HEADROOM_BYTES
+                     ) -> DevicePool:  # pragma: no cover - UNTESTED here: needs CUDA
+    """The worker's device pool on the GPU, exported with a CUDA IPC handle that kvmem
+    opens (kvmem_svc/pool.py) from the pool handle message."""
+    tensor = allocate_cuda_pool(shape, dtype, device, headroom_bytes)
+    return DevicePool(tensor, "cuda_ipc",
+                      cuda_ipc=encode_cuda_ipc(tensor.untyped_storage()._share_cuda_()))

@@ -12,8 +12,7 @@ import structlog
 import torch
 
 from common.config import EngineConfig
-from common.pool_handle import encode_cuda_ipc
-from worker.cuda.device import allocate_cuda_pool
+from worker.cuda.device import cuda_device_pool
 from worker.cuda.model import CudaLlama
 from worker.cuda.runner import CudaModelRunner
 from worker.kv_pool import DevicePool
@@ -28,10 +27,8 @@ def load_cuda(mcfg: ModelConfig, weights: dict[str, torch.Tensor], shape: tuple[
               ) -> tuple[CudaModelRunner, DevicePool]:  # pragma: no cover - needs CUDA
     device = torch.device("cuda", torch.cuda.current_device())
     model = CudaLlama(mcfg, weights, device, dtype)  # weights first: the pool gets the rest
-    tensor = allocate_cuda_pool(shape, dtype, device)
-    pool = DevicePool(tensor, "cuda_ipc",
-                      cuda_ipc=encode_cuda_ipc(tensor.untyped_storage()._share_cuda_()))
-    runner = CudaModelRunner(model, tensor, config.block_size,
+    pool = cuda_device_pool(shape, dtype, device)
+    runner = CudaModelRunner(model, pool.tensor, config.block_size,
                              max_batch=min(config.max_num_seqs, MAX_GRAPH_BATCH),
                              max_model_len=config.max_model_len)
     log.info("cuda_executor", gpu=torch.cuda.get_device_name(device), dtype=str(dtype),
