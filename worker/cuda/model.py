@@ -43,6 +43,8 @@ class CudaLlama:
         `decode_block_n`: key tile of the split decode kernel (tests use small ones)."""
         self.cfg = cfg
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" == the pool's
+            self.device = torch.device("cuda", torch.cuda.current_device())  # cuda:N
         self.dtype = dtype
         self.decode_block_n = decode_block_n
         # Decode splits its context over programs until the SMs are full (flash-decoding).
