@@ -8,7 +8,7 @@
 #   bash scripts/gpu_check.sh --fetch-wheels       # here, first: .whl/ and .gpu_model/p1..p3
 #   run(command="bash scripts/gpu_check.sh --stage", carry=[".gpu_model/p1"], timeout_s=60)
 #   run(command="bash scripts/gpu_check.sh --stage", carry=[".gpu_model/p2"], timeout_s=60)
-#   run(command="bash scripts/gpu_check.sh", carry=[".whl", ".gpu_model/p3"], timeout_s=540)
+#   run(command="bash scripts/gpu_check.sh", carry=[".whl", ".gpu_model/p3"], timeout_s=600)
 #
 # It writes to $OUT (./gpu_out without one): machine.txt; the CUDA path's tests with the
 # kernels compiled (tests/test_cuda_*.py) and the `gpu`-marked DuplexKV tests; `bench
@@ -99,16 +99,23 @@ if [ "$DRY" = 1 ]; then
   rc_tests=$?
   step gpu_worker 600 $PY -m superinfer.bench.gpu_worker --dry-run --prompts 1 --greedy-tokens 2 \
     --batches 1,2 --context 6 --steps 2 --pytest-rc "$rc_tests" --json "$OUT/gpu_check.json"
+  step summary 60 $PY -m superinfer.bench.gpu_worker --dry-run --parts "" \
+    --merge-into "$OUT/gpu_check.json" --pytest-rc "$rc_tests" --json "$OUT/gpu_check.json"
   exit $?
 fi
 # Kernels compiled, the runner on CUDA tensors, the device pool, DuplexKV on CUDA streams.
-step pytest_gpu 150 $PY -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py \
+# Timeouts add up to 570 s, under the call's 600; expected total ~5-6 minutes.
+step pytest_gpu 120 $PY -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py \
   tests/test_cuda_model.py tests/test_cuda_sampler.py tests/test_cuda_device.py \
   tests/test_bench_gpu_worker.py tests/test_duplex.py -m "gpu or not slow"
 rc_tests=$?
-step bench_transfer 120 $PY -m superinfer.bench.transfer --device cuda --repeats 5 \
+step bench_transfer 90 $PY -m superinfer.bench.transfer --device cuda --repeats 5 \
   --shapes qwen2.5-32b,llama-3-8b --nt-threshold default --json "$OUT/bench_transfer_gpu.json"
-step kill9 180 $PY -m pytest -q -s -p no:cacheprovider tests/test_cuda_recovery.py
-step gpu_worker 200 $PY -m superinfer.bench.gpu_worker --parts greedy,decode,attention --batches 1,32,256 \
-  --context 1024 --steps 30 --transfer-json "$OUT/bench_transfer_gpu.json" \
-  --kill9-json "$OUT/kill9.json" --pytest-rc "$rc_tests" --json "$OUT/gpu_check.json"
+step gpu_worker 150 $PY -m superinfer.bench.gpu_worker --parts greedy,decode,attention \
+  --batches 1,32,256 --context 1024 --steps 30 --pytest-rc "$rc_tests" \
+  --transfer-json "$OUT/bench_transfer_gpu.json" --json "$OUT/gpu_check.json"
+step kill9 190 $PY -m pytest -q -s -p no:cacheprovider tests/test_cuda_recovery.py
+# No GPU work: fold the kill -9 result in, print the must-show table.
+step summary 20 $PY -m superinfer.bench.gpu_worker --parts "" --merge-into "$OUT/gpu_check.json" \
+  --transfer-json "$OUT/bench_transfer_gpu.json" --kill9-json "$OUT/kill9.json" \
+  --pytest-rc "$rc_tests" --json "$OUT/gpu_check.json"

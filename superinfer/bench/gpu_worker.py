@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-json", default=None)
     p.add_argument("--kill9-json", default=None)
     p.add_argument("--pytest-rc", type=int, default=None, help="exit status of the gpu tests")
+    p.add_argument("--merge-into", default=None, metavar="JSON",
+                   help="start from this earlier result (its greedy/decode/attention parts "
+                        "are kept unless rerun) and fold the other checks into it")
     p.add_argument("--dry-run", action="store_true",
                    help="on the CPU, tiny shapes, kernels interpreted: the logic only")
     p.add_argument("--json", default=None)
@@ -350,10 +353,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     else:
         device, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
-    result: dict[str, Any] = {
+    result: dict[str, Any] = {}
+    if args.merge_into and Path(args.merge_into).exists():
+        result = json.loads(Path(args.merge_into).read_text())
+    result.update({
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)",
         "torch": torch.__version__, "cuda": torch.version.cuda, "dry_run": args.dry_run,
-    }
+    })
     if "greedy" in parts:
         result["greedy"] = run_greedy(args, device, dtype)
         result["greedy_exact"] = result["greedy"]["greedy_exact"]
