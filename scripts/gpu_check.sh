@@ -57,7 +57,7 @@ OUT="${OUT:-gpu_out}"
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 DRY="${DRY_RUN:-0}"
-if compgen -G ".whl/*.whl" > /dev/null; then
+if [ "$DRY" != 1 ] && compgen -G ".whl/*.whl" > /dev/null; then  # cp312: the GPU's python
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH="/tmp/site:$PWD"
