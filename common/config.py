@@ -35,6 +35,7 @@ class EngineConfig:
     max_queued_requests: int = 1024
     max_model_len: int | None = None  # None: the model's context length
     dtype: str = "float32"
+    device: str = "auto"  # the worker's: auto (CUDA when torch sees it), cpu or cuda
     policy: str = "lvf"
     alpha: float = 0.3
     beta_b: float = 0.0
@@ -75,6 +76,8 @@ class EngineConfig:
                 f"--max-queued-requests must be >= 0 (0: no limit), got {self.max_queued_requests}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if not self.alpha > 0:
             raise ValueError(f"--alpha must be positive, got {self.alpha}")
         for flag, v in (("--beta-b", self.beta_b), ("--beta-f", self.beta_f)):
@@ -117,6 +120,9 @@ class EngineConfig:
                             "past it clients get 429 / RESOURCE_EXHAUSTED (0: no limit)")
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                       help="where the worker computes and keeps its KV pool (auto: the GPU "
+                            "when torch sees one; use --dtype bfloat16 there)")
         s = p.add_argument_group("scheduling (RotaSched)")
         s.add_argument("--policy", default="lvf", choices=list(POLICY_NAMES))
         s.add_argument("--alpha", type=float, default=0.3)

@@ -124,6 +124,17 @@ class EngineCore:
         # to charge a batch's requests with the idle time their copies caused.
         self._idle_since: float | None = None
         self._step_wait = 0.0
+        self._landed: list[RequestEvent] = []
+
+    def take_landed(self) -> list[RequestEvent]:
+        """The tokens that landed since the last call. A step or drain that fails after a
+        batch's output landed still returns them here: the requests hold those tokens, so
+        their streams must get them before recovery."""
+        out, self._landed = self._landed, []
+        return out
+
+    def _land(self, out: SchedulerOutput, result: ExecuteResult) -> None:
+        self._landed += self.scheduler.update_from_output(out, result)
 
     def take_unsure(self) -> list[TransferPlan]:
         """The plans whose copies a failed step left in doubt (and forget them)."""
@@ -172,9 +183,9 @@ class EngineCore:
             called = self.timer() - t0
             self._executed(result, called, called)
             self._idle_since = self.timer()
-        events = sched.update_from_output(out, result or ExecuteResult(sampled={}))
+        self._land(out, result or ExecuteResult(sampled={}))
         self._trace(out, start, span, moved, result)
-        return StepResult(out, events, moved, result)
+        return StepResult(out, self.take_landed(), moved, result)
 
     # -- pipelined ----------------------------------------------------------------------------
     async def _pipelined_step(self) -> StepResult:
@@ -215,14 +226,13 @@ class EngineCore:
         busy = prev is not None and not prev.task.done()
         self._batch = (self._launch(out, after, busy) if out.chunks and not wait_for_copies
                        else None)
-        events: list[RequestEvent] = []
         result: ExecuteResult | None = None
         try:
             if prev is not None:
                 t0 = self.timer()
                 result = await prev.task
                 self._executed(result, self.timer() - prev.launched, self.timer() - t0)
-                events = sched.update_from_output(prev.out, result)
+                self._land(prev.out, result)
         except BaseException:
             if late is not None and out.transfers is not None:
                 # Its after-batch copies never start.
@@ -236,7 +246,7 @@ class EngineCore:
                 await self._finish_after()  # batch t+1 reads those blocks
                 self._batch = self._launch(out, after, False)
         self._trace(out, start, span, moved, result, prev.out if prev is not None else None)
-        return StepResult(out, events, moved, result, in_flight=not self.idle)
+        return StepResult(out, self.take_landed(), moved, result, in_flight=not self.idle)
 
     def _launch(self, out: SchedulerOutput, after: int, worker_busy: bool) -> _Batch:
         self._charge_stall(out, worker_busy)
@@ -292,19 +302,18 @@ class EngineCore:
 
     async def drain(self) -> list[RequestEvent]:
         """Let the batch and copies in flight finish; return the tokens that landed."""
-        events: list[RequestEvent] = []
         try:
             if self._batch is not None:
                 batch, self._batch = self._batch, None
                 t0 = self.timer()
                 result = await batch.task
                 self._executed(result, self.timer() - batch.launched, self.timer() - t0)
-                events = self.scheduler.update_from_output(batch.out, result)
+                self._land(batch.out, result)
             await self._finish_after()
         except BaseException:
             await self._stop_tasks()
             raise
-        return events
+        return self.take_landed()
 
     # -- accounting ---------------------------------------------------------------------------
     async def _copy(self, plan: TransferPlan) -> TransferResult:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -25,21 +27,25 @@ from common.shm import SegmentRecord
 from common.wire import chunk_from_proto
 from proto import scheduler_pb2, worker_pb2, worker_pb2_grpc
 from worker.batches import BatchRunner, OutOfOrder
+from worker.cuda.device import DeviceError, resolve_device
 from worker.kv_pool import DevicePool
 from worker.loader import load_weights
 from worker.model import LlamaModel
 from worker.runner import ModelRunner, kv_block_bytes
 
+if TYPE_CHECKING:
+    from worker.cuda.runner import CudaModelRunner
+
 log = structlog.get_logger()
 
-# The model runner computes on the CPU; the pool follows it. A CUDA runner would pass
-# "cuda" here and DevicePool exports the pool with a CUDA IPC handle instead.
+# On the CPU the pool is a shared-memory segment; on CUDA (worker/cuda/, `--device`) the
+# pool is a GPU tensor exported with a CUDA IPC handle.
 POOL_DEVICE = "cpu"
 
 
 @dataclass(slots=True)
 class Loaded:
-    runner: ModelRunner
+    runner: ModelRunner | CudaModelRunner
     pool: DevicePool
     info: scheduler_pb2.ModelInfo
     batches: BatchRunner  # one forward at a time, in the scheduler's order
@@ -62,7 +68,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         num_blocks, _ = cfg.blocks_for(kv_block_bytes(mcfg, cfg.block_size, dtype))
         shape = KVShape(num_blocks, mcfg.num_layers, cfg.block_size, mcfg.num_kv_heads,
                         mcfg.head_dim)
-        model = LlamaModel(mcfg, weights)
+        device = resolve_device(cfg.device)
+        cpu_model = LlamaModel(mcfg, weights) if device == "cpu" else None
         if self.segments is not None:
             reaped = self.segments.reap()
             if reaped:
@@ -70,8 +77,17 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                             why="left in /dev/shm by a worker that was killed")
         # Nothing may fail between making the pool and recording it (stop() unlinks it).
         # A stop during the load above cancels this coroutine there: no pool is made.
-        pool = DevicePool.create(shape.shape, dtype, POOL_DEVICE)
-        runner = ModelRunner(model, pool.tensor, cfg.block_size)
+        runner: ModelRunner | CudaModelRunner
+        if device == "cuda":
+            from worker.cuda.setup import load_cuda  # Triton loads only on this path
+
+            runner, pool = await asyncio.to_thread(load_cuda, mcfg, weights, shape.shape,
+                                                   dtype, cfg)
+        elif cpu_model is not None:
+            pool = DevicePool.create(shape.shape, dtype, POOL_DEVICE)
+            runner = ModelRunner(cpu_model, pool.tensor, cfg.block_size)
+        else:
+            raise DeviceError(f"no executor for device {device!r}")
         info = scheduler_pb2.ModelInfo(
             name=source.name,
             max_model_len=mcfg.max_position,
@@ -187,4 +203,9 @@ class WorkerDaemon(Daemon):
 
 
 def main(args: argparse.Namespace) -> int:
+    try:  # a device that is not there is one line, not a traceback in the log
+        resolve_device(getattr(args, "device", "auto"))
+    except DeviceError as e:
+        print(f"superinfer worker: {e}", file=sys.stderr)
+        return 2
     return run_daemon(WorkerDaemon(args), args)
