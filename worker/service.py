@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -26,6 +28,7 @@ from common.tokenizer import Tokenizer
 from common.wire import chunk_from_proto, result_to_proto
 from proto import scheduler_pb2, worker_pb2, worker_pb2_grpc
 from worker.batches import BatchRunner, OutOfOrder
+from worker.cuda.device import DeviceError, resolve_device
 from worker.grammar import GrammarBank
 from worker.kv_pool import DevicePool
 from worker.loader import load_weights
@@ -33,18 +36,21 @@ from worker.model import LlamaModel
 from worker.runner import ModelRunner, kv_block_bytes
 from worker.sampling_state import MissingState, SamplingStates
 
+if TYPE_CHECKING:
+    from worker.cuda.runner import CudaModelRunner
+
 log = structlog.get_logger()
 
 MAX_LOGPROBS = 20  # top logprobs per token (the scheduler's SamplingParams limit)
 
-# The model runner computes on the CPU; the pool follows it. A CUDA runner would pass
-# "cuda" here and DevicePool exports the pool with a CUDA IPC handle instead.
+# On the CPU the pool is a shared-memory segment; on CUDA (worker/cuda/, `--device`) the
+# pool is a GPU tensor exported with a CUDA IPC handle.
 POOL_DEVICE = "cpu"
 
 
 @dataclass(slots=True)
 class Loaded:
-    runner: ModelRunner
+    runner: ModelRunner | CudaModelRunner
     pool: DevicePool
     info: scheduler_pb2.ModelInfo
     batches: BatchRunner  # one forward at a time, in the scheduler's order
@@ -67,7 +73,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         num_blocks, _ = cfg.blocks_for(kv_block_bytes(mcfg, cfg.block_size, dtype))
         shape = KVShape(num_blocks, mcfg.num_layers, cfg.block_size, mcfg.num_kv_heads,
                         mcfg.head_dim)
-        model = LlamaModel(mcfg, weights)
+        device = resolve_device(cfg.device)
+        cpu_model = LlamaModel(mcfg, weights) if device == "cpu" else None
         if self.segments is not None:
             reaped = self.segments.reap()
             if reaped:
@@ -75,11 +82,20 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                             why="left in /dev/shm by a worker that was killed")
         # Nothing may fail between making the pool and recording it (stop() unlinks it).
         # A stop during the load above cancels this coroutine there: no pool is made.
-        pool = DevicePool.create(shape.shape, dtype, POOL_DEVICE)
-        # Grammars need the tokenizer; it is built the first time one comes (~1 s).
-        sampling = SamplingStates(mcfg.vocab_size, lambda: GrammarBank(
-            Tokenizer.from_source(source), mcfg.vocab_size))
-        runner = ModelRunner(model, pool.tensor, cfg.block_size, sampling)
+        runner: ModelRunner | CudaModelRunner
+        if device == "cuda":
+            from worker.cuda.setup import load_cuda  # Triton loads only on this path
+
+            runner, pool = await asyncio.to_thread(load_cuda, mcfg, weights, shape.shape,
+                                                   dtype, cfg)
+        elif cpu_model is not None:
+            pool = DevicePool.create(shape.shape, dtype, POOL_DEVICE)
+            # Grammars need the tokenizer; it is built the first time one comes (~1 s).
+            sampling = SamplingStates(mcfg.vocab_size, lambda: GrammarBank(
+                Tokenizer.from_source(source), mcfg.vocab_size))
+            runner = ModelRunner(cpu_model, pool.tensor, cfg.block_size, sampling)
+        else:
+            raise DeviceError(f"no executor for device {device!r}")
         info = scheduler_pb2.ModelInfo(
             name=source.name,
             max_model_len=mcfg.max_position,
@@ -92,7 +108,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             source_kind=source.kind,
             source_path=str(source.path),
         )
-        self.loaded = Loaded(runner, pool, info, BatchRunner(runner.execute, runner.release))
+        # Sampling state (penalties, bias, grammars) lives in the CPU runner only so far.
+        release = runner.release if isinstance(runner, ModelRunner) else None
+        self.loaded = Loaded(runner, pool, info, BatchRunner(runner.execute, release))
         handle = pool.handle()
         if self.segments is not None and handle.shm_name:
             self.segments.add(handle.shm_name)
@@ -129,7 +147,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             )
         chunks = [chunk_from_proto(c) for c in request.chunks]
         problem = _check_chunks(chunks, w.pool.num_blocks, w.runner.block_size,
-                                w.info.vocab_size)
+                                w.info.vocab_size, isinstance(w.runner, ModelRunner))
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         try:
@@ -155,10 +173,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
 
 def _check_chunks(
-    chunks: list[ScheduledChunk], num_blocks: int, block_size: int, vocab: int
+    chunks: list[ScheduledChunk], num_blocks: int, block_size: int, vocab: int,
+    sampling_extras: bool = True,
 ) -> str | None:
-    """A malformed batch must come back as an error, not crash the forward pass."""
+    """A malformed batch must come back as an error, not crash the forward pass; so must
+    a chunk asking for what this runner cannot do (`sampling_extras`: logprobs, penalties,
+    logit bias, grammars; the CUDA runner has none of them yet), rather than be ignored."""
     for c in chunks:
+        if not sampling_extras and (c.stateful or c.logprobs >= 0 or c.prompt_logprob_targets):
+            return (f"{c.request_id}: logprobs, penalties, logit_bias and structured outputs "
+                    "run on the CPU worker only so far")
         end = c.start_pos + len(c.token_ids)
         if not c.token_ids or c.start_pos < 0:
             return f"{c.request_id}: empty chunk or negative start position"
@@ -199,4 +223,9 @@ class WorkerDaemon(Daemon):
 
 
 def main(args: argparse.Namespace) -> int:
+    try:  # a device that is not there is one line, not a traceback in the log
+        resolve_device(getattr(args, "device", "auto"))
+    except DeviceError as e:
+        print(f"superinfer worker: {e}", file=sys.stderr)
+        return 2
     return run_daemon(WorkerDaemon(args), args)
