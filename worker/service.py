@@ -19,15 +19,13 @@ import torch
 from common.config import EngineConfig
 from common.contracts import PLACEHOLDER, KVShape, ScheduledChunk
 from common.daemon import Daemon, run_daemon
-from common.dtypes import DTYPES
-from common.modelfile import resolve_model
+from common.dtypes import DTYPE_NAMES
 from common.shm import SegmentRecord
 from common.wire import chunk_from_proto
 from proto import scheduler_pb2, worker_pb2, worker_pb2_grpc
 from worker.batches import BatchRunner, OutOfOrder
+from worker.build import build_model
 from worker.kv_pool import DevicePool
-from worker.loader import load_weights
-from worker.model import LlamaModel
 from worker.runner import ModelRunner, kv_block_bytes
 
 log = structlog.get_logger()
@@ -55,14 +53,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     async def load(self) -> None:
         cfg = self.config
-        dtype = DTYPES[cfg.dtype]
         t0 = time.perf_counter()
-        source = resolve_model(cfg.model)
-        mcfg, weights = await asyncio.to_thread(load_weights, source.path, source.kind, dtype)
+        built = await asyncio.to_thread(build_model, cfg.model, cfg.dtype, cfg.kv_dtype)
+        source, mcfg, dtype = built.source, built.model.cfg, built.kv_dtype
         num_blocks, _ = cfg.blocks_for(kv_block_bytes(mcfg, cfg.block_size, dtype))
         shape = KVShape(num_blocks, mcfg.num_layers, cfg.block_size, mcfg.num_kv_heads,
                         mcfg.head_dim)
-        model = LlamaModel(mcfg, weights)
         if self.segments is not None:
             reaped = self.segments.reap()
             if reaped:
@@ -71,7 +67,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # Nothing may fail between making the pool and recording it (stop() unlinks it).
         # A stop during the load above cancels this coroutine there: no pool is made.
         pool = DevicePool.create(shape.shape, dtype, POOL_DEVICE)
-        runner = ModelRunner(model, pool.tensor, cfg.block_size)
+        runner = ModelRunner(built.model, pool.tensor, cfg.block_size, built.weights)
         info = scheduler_pb2.ModelInfo(
             name=source.name,
             max_model_len=mcfg.max_position,
@@ -80,7 +76,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             num_kv_heads=mcfg.num_kv_heads,
             head_dim=mcfg.head_dim,
             block_size=cfg.block_size,
-            dtype=cfg.dtype,
+            dtype=DTYPE_NAMES[dtype],
             source_kind=source.kind,
             source_path=str(source.path),
         )
@@ -88,7 +84,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         handle = pool.handle()
         if self.segments is not None and handle.shm_name:
             self.segments.add(handle.shm_name)
-        log.info("loaded", model=source.name, device_blocks=num_blocks,
+        log.info("loaded", model=source.name, weights=built.weights, device_blocks=num_blocks,
                  pool_gib=round(handle.nbytes / 2**30, 3), pool_id=pool.pool_id,
                  pool=handle.shm_name or handle.kind, load_s=round(time.perf_counter() - t0, 2))
 
