@@ -33,6 +33,7 @@ from worker.gguf_loader import load_gguf_blocks
 from worker.loader import load_weights
 from worker.model import LlamaModel
 from worker.quality import perplexity, text
+from worker.weights import WeightSet
 
 log = structlog.get_logger()
 
@@ -76,8 +77,8 @@ def build_model(model: str | None, dtype: str = "auto", kv: str = "auto") -> Bui
     return built
 
 
-def add_format(lm: LlamaModel, fmt: Format, caps: Capabilities) -> None:
-    lm.add_weights(fmt.name, fmt.layers, fmt.head, dense_fallback(fmt, caps))
+def add_format(lm: LlamaModel, fmt: Format, caps: Capabilities) -> WeightSet:
+    return lm.add_weights(fmt.name, fmt.layers, fmt.head, dense_fallback(fmt, caps))
 
 
 def choose(requested: str, lm: LlamaModel, source: ModelSource, caps: Capabilities) -> Format:

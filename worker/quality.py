@@ -70,3 +70,24 @@ def perplexity(model: LlamaModel, weights: str, ids: list[int], kv_dtype: torch.
     if n == 0:
         raise ValueError("perplexity needs at least two tokens")
     return Perplexity(math.exp(nll / n), n, torch.cat(tops))
+
+
+def greedy(model: LlamaModel, weights: str, kv_dtype: torch.dtype, prompts: list[list[int]],
+           new: int) -> list[list[int]]:
+    """`new` greedy tokens of every prompt, the prompts batched together (each prompt one
+    prefill chunk, then one decode row per prompt per step), on a private pool."""
+    per = -(-(max(len(p) for p in prompts) + new) // BLOCK)
+    kv = private_pool(model, kv_dtype, per * BLOCK * len(prompts))
+    tables = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(len(prompts))]
+    seqs = [list(p) for p in prompts]
+    outs: list[list[int]] = [[] for _ in prompts]
+    chunks = [ScheduledChunk(f"g{i}", list(p), 0, tables[i], True) for i, p in enumerate(prompts)]
+    for _ in range(new):
+        logits = model.forward(weights, build_meta(chunks, BLOCK), kv)
+        toks = logits.argmax(-1).tolist()
+        for i, t in enumerate(toks):
+            outs[i].append(int(t))
+            seqs[i].append(int(t))
+        chunks = [ScheduledChunk(f"g{i}", [s[-1]], len(s) - 1, tables[i], True)
+                  for i, s in enumerate(seqs)]
+    return outs
