@@ -50,6 +50,10 @@ class EngineConfig:
     vlt_margin: float = 0.0
     hold_vlt: float | None = -0.5  # LVF stops skipping a new request once its VLT reaches this
     eager_budget_blocks: int = 32
+    # Automatic prefix caching (vLLM's flag): requests share the KV of full blocks whose
+    # tokens (and all before them) match; freed ones stay cached on the device and, through
+    # the eager host copies, in host memory (scheduler_svc/prefix_cache.py).
+    enable_prefix_caching: bool = True
     # Plan and copy iteration t+1 while t executes (scheduler_svc/engine_core.py);
     # False: the serial step, the baseline.
     pipeline: bool = True
@@ -129,6 +133,10 @@ class EngineConfig:
                        help="LVF: a new request whose VLT reaches this is no longer skipped "
                             "when it does not fit (anti-starvation; 'none': always skip)")
         s.add_argument("--eager-budget-blocks", type=int, default=32)
+        s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=True,
+                       help="reuse the KV of cached prompt prefixes, from device memory or "
+                            "(eager host copies) host memory (--no-enable-prefix-caching: off)")
         s.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=True,
                        help="plan and copy the next iteration while this one executes "
                             "(--no-pipeline: the serial step, the baseline)")

@@ -81,6 +81,7 @@ class Generation:
         self.request_id = request.request_id
         self.prompt_tokens = len(request.prompt_token_ids)
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache (final event)
         self.finish_reason: str | None = None
         self._backend = backend
         self._metrics = metrics
@@ -150,6 +151,7 @@ class Generation:
             self._record_tokens(len(ids))
         if event.finish_reason:
             self._scheduler_done = True
+            self.cached_tokens = event.cached_tokens
         if event.finish_reason == "error":
             raise APIError(500, "the engine failed while generating this request",
                            code="generation_failed")

@@ -66,6 +66,7 @@ class SuperInferServicer(client_pb2_grpc.SuperInferServicer):
                             finish_reason=delta.finish_reason or "",
                             prompt_tokens=gen.prompt_tokens,
                             completion_tokens=gen.completion_tokens,
+                            cached_tokens=gen.cached_tokens,
                         )
                 except APIError as e:
                     await _abort(context, e)

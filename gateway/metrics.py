@@ -85,6 +85,9 @@ _LOSSES = "A peer came back with a new pool: tier device = a new worker, host = 
 _RESUMED = "Requests resumed after a pool loss: from host copies (swap_in) or by recompute"
 _TTFT = "Finished requests by whether their first token came within their TTFT SLO"
 _TBT = "Gaps between a request's consecutive tokens by whether they were within its TBT SLO"
+_PC_Q = ("Prompt tokens looked up in the prefix cache at admission, per tier (host: the "
+         "tokens the device tier missed)")
+_PC_H = "Prompt tokens served from the prefix cache, per tier (host: copied in, not recomputed)"
 
 # Every statistic GetStats sends (SchedulerStats, EngineStats, LoopStats), by its key. A test checks
 # that the scheduler sends exactly these, so a new one cannot slip out as the wrong type.
@@ -114,6 +117,14 @@ SCHEDULER_SERIES: dict[str, Series] = {
     "freed_without_copy": _counter(_S + "freed_without_copy_blocks",
                                    "Device blocks freed at rotate-out without a copy, thanks to "
                                    "an eager copy"),
+    # prefix caching
+    "prefix_cache_queries": _counter(_S + "prefix_cache_queries_tokens", _PC_Q, tier="device"),
+    "prefix_cache_host_queries": _counter(_S + "prefix_cache_queries_tokens", _PC_Q, tier="host"),
+    "prefix_cache_hits": _counter(_S + "prefix_cache_hits_tokens", _PC_H, tier="device"),
+    "prefix_cache_host_hits": _counter(_S + "prefix_cache_hits_tokens", _PC_H, tier="host"),
+    "swap_in_cached_blocks": _counter(_S + "swap_in_cached_blocks",
+                                      "Blocks a swap-in found still cached on the device: not "
+                                      "copied"),
     # transfers (DuplexKV)
     "transfers": _counter(_S + "transfers", "Transfer batches sent to kvmem"),
     "transfer_s": _counter(_S + "transfer_seconds", "Wall time of Transfer calls, RPC included"),
@@ -297,6 +308,24 @@ class VLLMView(Collector):
                 labels=names)
             preempted.add_metric(values, s.counters.get("preemptions", 0.0))
             yield preempted
+            # vLLM counts its GPU prefix cache as prefix_cache_* and what a KV connector
+            # (CPU offloading, LMCache) serves as external_prefix_cache_*: here, the device
+            # and the host tier. All in tokens.
+            for name, key, help in [
+                ("vllm:prefix_cache_queries", "prefix_cache_queries",
+                 "Prefix cache queries, in terms of number of queried tokens."),
+                ("vllm:prefix_cache_hits", "prefix_cache_hits",
+                 "Prefix cache hits, in terms of number of cached tokens."),
+                ("vllm:external_prefix_cache_queries", "prefix_cache_host_queries",
+                 "External prefix cache queries, in terms of number of queried tokens "
+                 "(SuperInfer: the host tier)."),
+                ("vllm:external_prefix_cache_hits", "prefix_cache_host_hits",
+                 "External prefix cache hits, in terms of number of cached tokens "
+                 "(SuperInfer: the host tier)."),
+            ]:
+                counter = CounterMetricFamily(name, help, labels=names)
+                counter.add_metric(values, s.counters.get(key, 0.0))
+                yield counter
         for ours, name, help in [
             (m.prompt_tokens, "vllm:prompt_tokens", "Number of prefill tokens processed."),
             (m.generation_tokens, "vllm:generation_tokens", "Number of generation tokens processed."),

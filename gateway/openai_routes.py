@@ -158,7 +158,7 @@ def _event(chunk: str) -> str:
 
 
 def _usage(gen: Generation) -> s.Usage:
-    return s.Usage.of(gen.prompt_tokens, gen.completion_tokens)
+    return s.Usage.of(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
 
 
 class _Format:

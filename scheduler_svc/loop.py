@@ -29,6 +29,7 @@ from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.remote import RemoteKVMem, RemoteWorker
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import RequestEvent, Scheduler
+from scheduler_svc.setup import model_identity
 from scheduler_svc.trace import Trace
 
 log = structlog.get_logger()
@@ -51,6 +52,7 @@ class StreamEvent:
     finish_reason: str | None = None
     summary: dict[str, object] | None = None
     error: str | None = None  # the request could not be served: why, and what to do
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (final event)
 
 
 @dataclass(slots=True)
@@ -268,7 +270,8 @@ class ServingLoop:
             self.trace.request_done(req, now)
         log.info("finish", finish_reason=why, **summary)
         self._send(req.request_id,
-                   StreamEvent(tokens, req.num_output_tokens, why, summary, error))
+                   StreamEvent(tokens, req.num_output_tokens, why, summary, error,
+                               req.num_cached_tokens or 0))
         self.streams.pop(req.request_id, None)
 
     def _send(self, request_id: str, event: StreamEvent) -> None:
@@ -324,6 +327,14 @@ class ServingLoop:
                 f"tokens; this scheduler was built for {cfg.num_device_blocks} of "
                 f"{cfg.block_size}: restart the scheduler"
             )
+        if cfg.model_id:
+            info = await self.worker.model_info()
+            if model_identity(info.source_path, info.dtype) != cfg.model_id:
+                # The KV this scheduler caches (and every stream's context) is another
+                # model's: nothing may resume on this worker.
+                raise BackendMismatch(
+                    f"the worker now serves {info.source_path} ({info.dtype}); this scheduler "
+                    f"was built for {cfg.model_id.replace('|', ' (')}): restart the scheduler")
         await self.kvmem.wait_serving(left())
         reply = await self.kvmem.attach(handle)
         if reply.host_blocks != cfg.num_host_blocks:

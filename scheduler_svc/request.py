@@ -102,6 +102,8 @@ class Request:
     transitions: list[tuple[float, str]] = field(default_factory=list)
     num_rotations: int = 0
     num_recomputes: int = 0
+    # Prompt tokens found in the prefix cache at its first admission (None: not admitted).
+    num_cached_tokens: int | None = None
     time_in_state: dict[str, float] = field(default_factory=dict)
     _state_since: float = 0.0
 
@@ -200,6 +202,7 @@ class Request:
         return {
             "request_id": self.request_id,
             "prompt_tokens": self.num_prompt_tokens,
+            "cached_tokens": self.num_cached_tokens or 0,
             "output_tokens": self.num_output_tokens,
             "ttft_s": ttft,
             "max_tbt_s": max(gaps) if gaps else None,

@@ -25,6 +25,7 @@ from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.interfaces import SchedulerOutput
 from scheduler_svc.policy import Policy, Unservable
 from scheduler_svc.policy.base import arrival_order
+from scheduler_svc.prefix_cache import PrefixHit
 from scheduler_svc.queue import Entry, RequestQueue
 from scheduler_svc.request import FinishReason, Request, RequestState
 
@@ -42,6 +43,11 @@ class SchedulerConfig:
     # Planned one iteration ahead, its transfers beside the batch in flight (the pipelined
     # step): blocks of this iteration's rotate-outs are not reused before their copy is done.
     pipelined: bool = False
+    # Automatic prefix caching (block_manager.py): full blocks named by their tokens are
+    # shared between requests and stay cached in both tiers after their requests end.
+    # `model_id` roots the names, so that KV of another model never matches.
+    enable_prefix_caching: bool = False
+    model_id: str = ""
 
     def __post_init__(self) -> None:
         if self.num_device_blocks < 1:
@@ -64,6 +70,13 @@ class SchedulerStats:
     swap_out_blocks: int = 0
     eager_blocks: int = 0
     freed_without_copy: int = 0  # device blocks released at rotate-out thanks to eager copies
+    # Prefix cache, in tokens, at each admission of a waiting request (vLLM's counting): the
+    # device tier is queried for all of its tokens, the host tier for those the device missed.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_host_queries: int = 0
+    prefix_cache_host_hits: int = 0
+    swap_in_cached_blocks: int = 0  # blocks a swap-in found cached on the device: no copy
     recomputes: int = 0
     preemptions: int = 0
     finished: int = 0
@@ -108,7 +121,9 @@ class Scheduler:
         self.policy = policy
         self.clock = clock
         self.bm = BlockManager(config.num_device_blocks, config.num_host_blocks, config.block_size,
-                               same_iteration_reuse=not config.pipelined)
+                               same_iteration_reuse=not config.pipelined,
+                               prefix_caching=config.enable_prefix_caching,
+                               model_id=config.model_id)
         self.requests: dict[str, Request] = {}
         # Each queue keeps the policy's groups sorted, so an iteration merges them lazily
         # instead of sorting every live request (policy/base.py).
@@ -325,22 +340,22 @@ class Scheduler:
             rotary = q.state is RequestState.ROTARY
             if rotary and not policy.may_swap_in(q, plan.preempted):
                 continue
-            n = min(q.num_tokens - q.num_computed_tokens, plan.budget)
-            need = bm.blocks_for(q.num_computed_tokens + n)
-            cost = bm.swap_in_cost(q) if rotary else 0
+            # Tokens to compute, blocks taken, blocks copied in (a cached prefix counts).
+            n, need, cost = bm.admission(q, plan.budget)
+            swaps_in = rotary or cost > 0  # an H2D copy fills some of its blocks
             # A request larger than B_xfer may still move alone, or it would starve.
             if cap is not None and plan.xfer_used and plan.xfer_used + cost > cap:
                 break
             if free_only:  # nobody may be preempted any more: only free blocks serve
                 if need_seat:
                     break
-                if need > self._room(rotary):
+                if need > self._room(swaps_in):
                     continue
                 chosen: list[Request] | None = []
             elif fcfs_mode:
                 chosen = []
             else:
-                chosen = self._pick_victims(q, need, rotary, cost, victims, plan, need_seat)
+                chosen = self._pick_victims(q, need, swaps_in, cost, victims, plan, need_seat)
             if chosen is None:
                 if policy.on_unservable(q, plan.now) is Unservable.STOP:
                     break  # strict order: stop at the first request that cannot be served
@@ -355,17 +370,18 @@ class Scheduler:
                 continue
             for v in chosen:
                 self._preempt(v, plan)
-            n = min(q.num_tokens - q.num_computed_tokens, plan.budget)
-            need = bm.blocks_for(q.num_computed_tokens + n)
-            if need > self._room(rotary) or n <= 0 or len(self.running) >= self.config.max_num_seqs:
+            n, need, cost = bm.admission(q, plan.budget)
+            if (need > self._room(rotary or cost > 0) or n <= 0
+                    or len(self.running) >= self.config.max_num_seqs):
                 break
+            plan.xfer_used += cost
             if rotary:
-                bm.swap_in(q)
-                plan.xfer_used += cost
+                self.stats.swap_in_cached_blocks += bm.swap_in(q)
                 self.rotary.remove(q)
                 plan.into.append(q.request_id)
             else:
                 self.waiting.remove(q)
+                self._count_prefix_hit(q, bm.attach_prefix(q))
             bm.allocate(q, n)  # the chunk's new blocks (a swapped-in request may need one)
             q.set_state(RequestState.RUNNING, plan.now)
             q.run_start_time = plan.now
@@ -377,6 +393,18 @@ class Scheduler:
                 if self._free_below_least(plan):
                     break
                 room_waiting, room_rotary = self._room(False), self._room(True)
+
+    def _count_prefix_hit(self, req: Request, hit: PrefixHit) -> None:
+        """A waiting request was admitted onto a cached prefix (maybe empty): count it."""
+        if not self.config.enable_prefix_caching:
+            return
+        st, bs = self.stats, self.config.block_size
+        st.prefix_cache_queries += req.num_tokens
+        st.prefix_cache_hits += hit.device_hits * bs
+        st.prefix_cache_host_queries += req.num_tokens - hit.device_hits * bs
+        st.prefix_cache_host_hits += hit.host_hits * bs
+        if req.num_cached_tokens is None:  # the prompt's first admission: what usage reports
+            req.num_cached_tokens = hit.num_blocks * bs
 
     def _may_preempt_for(self, q: Request, victims: list[Request], plan: _Plan) -> bool:
         """May the first eligible victim be preempted for `q`? When not, no later victim
@@ -429,11 +457,11 @@ class Scheduler:
             out_cost = bm.swap_out_cost(v) if swaps else 0
             if cap is not None and moved and moved + out_cost > cap:
                 continue
-            held = bm.num_device_blocks_of(v)
             # Blocks a rotate-out copies stay busy until the copy ran: never usable by a
             # swap-in this iteration, and by compute only in a serial step (see the top of
-            # block_manager.py).
-            room += held - out_cost if swaps and (rotary or not bm.same_iteration_reuse) else held
+            # block_manager.py). Blocks another request shares are not released at all.
+            held, busy = bm.released_by_preempting(v, swaps)
+            room += held - busy if rotary or not bm.same_iteration_reuse else held
             moved += out_cost
             chosen.append(v)
         return chosen if need <= room and (chosen or not need_seat) else None
@@ -498,12 +526,15 @@ class Scheduler:
         now = self.clock()
         events: list[RequestEvent] = []
         epochs = out.kv_epochs
+        caching = self.config.enable_prefix_caching
         for chunk in out.chunks:
             req = self.requests.get(chunk.request_id)
             if req is None:
                 continue  # finished or aborted while the batch ran
             if req.kv_epoch == epochs[chunk.request_id]:
                 req.num_inflight_tokens -= len(chunk.token_ids)
+                if caching:
+                    self.bm.cache_full_blocks(req)  # its settled full blocks get names
             if not chunk.sample:
                 continue
             tok = result.sampled[chunk.request_id]
@@ -609,6 +640,8 @@ class Scheduler:
         bad_host = {h for _, h in failed.swap_out + failed.eager} if failed else set()
         if device or host:
             self.bm.drop_fences()
+        # Cached prefixes in lost memory are forgotten before anyone resumes from them.
+        self.bm.forget_lost(device=device, host=host, bad_device=bad_dev, bad_host=bad_host)
         lost: Callable[[int], bool] = (lambda h: True) if host else bad_host.__contains__
         now = self.clock()
         rec = Recovery()

@@ -28,7 +28,7 @@ from proto import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.loop import ServingLoop
 from scheduler_svc.remote import RPC_TIMEOUT_S, RemoteKVMem, RemoteWorker, wait_serving
 from scheduler_svc.request import SLO, InvalidSamplingParams, Request, SamplingParams
-from scheduler_svc.setup import build_scheduler, default_slo
+from scheduler_svc.setup import build_scheduler, default_slo, model_identity
 from scheduler_svc.trace import Trace
 
 log = structlog.get_logger()
@@ -67,7 +67,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
         cfg = dataclasses.replace(self.config, block_size=int(handle.shape[3]))
         scheduler = build_scheduler(cfg, int(handle.shape[0]), attached.host_blocks,
-                                    info.max_model_len)
+                                    info.max_model_len,
+                                    model_id=model_identity(info.source_path, info.dtype))
         sched_cfg = scheduler.config
         self.info = scheduler_pb2.ModelInfo()
         self.info.CopyFrom(info)
@@ -130,6 +131,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     prompt_tokens=n_prompt,
                     output_tokens=ev.output_tokens,
                     summary_json=json.dumps(ev.summary) if ev.summary is not None else "",
+                    cached_tokens=ev.cached_tokens,
                 )
                 if ev.finish_reason:
                     return

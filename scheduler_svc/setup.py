@@ -33,8 +33,15 @@ def policy_from(cfg: EngineConfig) -> Policy:
     return make_policy(cfg.policy, vlt_params(cfg), rotation_limits(cfg))
 
 
+def model_identity(source_path: str, dtype: str) -> str:
+    """What roots the prefix cache's block names: KV of another model file or dtype never
+    matches (scheduler_svc/prefix_cache.py)."""
+    return f"{source_path}|{dtype}"
+
+
 def scheduler_config(
-    cfg: EngineConfig, num_device_blocks: int, num_host_blocks: int, model_max_len: int
+    cfg: EngineConfig, num_device_blocks: int, num_host_blocks: int, model_max_len: int,
+    model_id: str = "",
 ) -> SchedulerConfig:
     """The core's settings once the pools and the model's context are known."""
     return SchedulerConfig(
@@ -46,12 +53,15 @@ def scheduler_config(
         max_model_len=min(cfg.max_model_len or model_max_len, model_max_len),
         eager_budget_blocks=cfg.eager_budget_blocks,
         pipelined=cfg.pipeline,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        model_id=model_id,
     )
 
 
 def build_scheduler(
     cfg: EngineConfig, num_device_blocks: int, num_host_blocks: int, model_max_len: int,
-    clock: Callable[[], float] = time.monotonic,
+    clock: Callable[[], float] = time.monotonic, model_id: str = "",
 ) -> Scheduler:
-    return Scheduler(scheduler_config(cfg, num_device_blocks, num_host_blocks, model_max_len),
+    return Scheduler(scheduler_config(cfg, num_device_blocks, num_host_blocks, model_max_len,
+                                      model_id),
                      policy_from(cfg), clock=clock)

@@ -25,7 +25,7 @@ from kvmem_svc.copy import LocalCopyEngine
 from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.request import SLO, FinishReason, Request, SamplingParams
 from scheduler_svc.scheduler import RequestEvent
-from scheduler_svc.setup import build_scheduler, default_slo
+from scheduler_svc.setup import build_scheduler, default_slo, model_identity
 from scheduler_svc.trace import Trace
 from worker.batches import BatchRunner
 from worker.build import BuiltModel, build_model
@@ -68,7 +68,9 @@ class LLMEngine:
         self.host_pool = torch.zeros((host, *self.runner.kv.shape[1:]), dtype=dtype)
         self.copier = LocalCopyEngine(self.runner.kv, self.host_pool)
         self.max_model_len = min(config.max_model_len or mcfg.max_position, mcfg.max_position)
-        self.scheduler = build_scheduler(config, dev, host, mcfg.max_position)
+        self.scheduler = build_scheduler(
+            config, dev, host, mcfg.max_position,
+            model_id=model_identity(str(self.source.path), config.dtype))
         self.trackers: dict[str, OutputTracker] = {}
         self._ids = itertools.count()
         self.trace = Trace(config.trace, "superinfer generate") if config.trace else None
@@ -201,6 +203,9 @@ class LLMEngine:
         s["host_blocks"] = self.scheduler.config.num_host_blocks
         s["device_blocks_free"] = self.scheduler.bm.num_free_device
         s["host_blocks_free"] = self.scheduler.bm.num_free_host
+        st = self.scheduler.stats
+        # Prompt tokens served from the prefix cache, both tiers.
+        s["prefix_cache_hit_tokens"] = st.prefix_cache_hits + st.prefix_cache_host_hits
         return s
 
 

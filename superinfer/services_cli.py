@@ -171,6 +171,11 @@ def _argv_for(add: Callable[[argparse.ArgumentParser], None], values: dict[str, 
     argv: list[str] = []
     for action in scratch._actions:
         value = values.get(action.dest)
+        if isinstance(action, argparse.BooleanOptionalAction) and value is not None:
+            # --flag / --no-flag: say which, always (its last spelling is the --no- one).
+            on, off = action.option_strings[0], action.option_strings[-1]
+            argv.append(on if value else off)
+            continue
         if not action.option_strings or value is None or value is False:
             continue
         flag = action.option_strings[-1]

@@ -11,7 +11,13 @@ its batches landed (a pipelined batch may run and then be given up).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from common.contracts import ExecuteResult, ScheduledChunk, TransferPlan
+
+if TYPE_CHECKING:
+    from scheduler_svc.interfaces import SchedulerOutput
+    from scheduler_svc.scheduler import Scheduler
 
 VOCAB = 1000
 EMPTY = -1
@@ -79,3 +85,15 @@ class CheckingExecutor:
             if c.sample:
                 sampled[c.request_id] = next_token(ctx)
         return ExecuteResult(sampled=sampled)
+
+
+def assert_writes_private(sched: Scheduler, out: SchedulerOutput) -> None:
+    """Right after planning: every block a chunk writes belongs to its request alone and
+    has no name in the prefix cache (a shared or cached block is never written)."""
+    bm, bs = sched.bm, sched.config.block_size
+    for c in out.chunks:
+        first, last = c.start_pos // bs, (c.start_pos + len(c.token_ids) - 1) // bs
+        for d in c.block_table[first:last + 1]:
+            if d in bm.dev_cache.hash_of or bm._dev_ref[d] != 1:
+                raise AssertionError(f"{c.request_id} writes device block {d}, which is "
+                                     f"shared ({bm._dev_ref[d]} references) or cached")

@@ -137,6 +137,45 @@ def test_chat_endpoint_with_a_sharegpt_file(stack: Stack, tmp_path: Path) -> Non
         assert d["prompt_tokens"] > d["trace_prompt_len"]
 
 
+def test_multi_turn_conversations_carry_their_history_and_hit_the_prefix_cache(
+        stack: Stack, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two conversations of three turns: each turn's prompt holds the one before it and its
+    reply, so the server finds the earlier turns cached (the gateway's stack has prefix
+    caching on, the default); the client's cached_tokens agree with the server's hits."""
+    rc, data = _bench(stack, tmp_path / "mt.json", "--endpoint", "chat", "--num-prompts", "6",
+                      "--rps", "20", "--multi-turn", "3", "--max-prompt-len", "24",
+                      "--max-output-len", "12", "--dataset", "sharegpt", "--seed", "4")
+    assert rc == 0 and data is not None
+    (r,) = data["results"]
+    assert (r["completed"], r["failed"]) == (6, 0)
+    d = r["per_request"]
+    for conv in (0, 1):
+        turns = [d[i] for i in (conv, conv + 2, conv + 4)]
+        prompts = [t["prompt_tokens"] for t in turns]
+        # The history grows by at least the previous user turn and reply each time.
+        assert prompts[1] > prompts[0] + turns[0]["output_tokens"]
+        assert prompts[2] > prompts[1] + turns[1]["output_tokens"]
+        assert turns[1]["cached_tokens"] >= 16 and turns[2]["cached_tokens"] >= 32
+        # A turn is sent only after the reply it carries has ended.
+        assert turns[1]["sent_s"] >= turns[0]["sent_s"] + turns[0]["e2el_s"]
+    server = r["server_prefix_cache"]
+    assert server["prefix_cache_hits"] + server["prefix_cache_host_hits"] == r["cached_tokens"]
+    assert r["cached_tokens"] > 0 and 0 < r["prefix_cache_hit_rate"] < 1
+    assert "prefix cache:" in capsys.readouterr().out
+
+
+def test_a_shared_system_prompt_is_computed_once(stack: Stack, tmp_path: Path) -> None:
+    rc, data = _bench(stack, tmp_path / "sys.json", "--num-prompts", "6", "--rps", "4",
+                      "--system-prompt-len", "64", "--max-prompt-len", "16",
+                      "--max-output-len", "4", "--seed", "5")
+    assert rc == 0 and data is not None
+    (r,) = data["results"]
+    d = r["per_request"]
+    assert all(x["prompt_tokens"] >= 64 for x in d)
+    # All but the first find (at least) the system prompt's full blocks cached.
+    assert sum(1 for x in d if x["cached_tokens"] >= 48) >= 5
+
+
 def test_rejected_requests_are_recorded_not_fatal(stack: Stack, tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     # Prompts longer than the 8192-token context: the gateway answers 400 to each.
@@ -193,6 +232,42 @@ def test_bad_options_fail_before_contacting_a_server(args: list[str], message: s
     assert cli_main(["bench", "serve", "--base-url", url, *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+# -- conversations and system prompts ----------------------------------------------------------
+
+
+def test_conversation_turns_and_bodies() -> None:
+    from superinfer.bench.serve.prompts import BodyOptions, Conversations
+    from superinfer.workload import TraceRequest
+
+    trace = [TraceRequest(i, 0.1 * i, 4, 2) for i in range(5)]
+    conv = Conversations(5, 2)  # conversations: [0, 3], [1, 4], [2]
+    assert conv.count == 3
+    assert [conv.previous(i) for i in range(5)] == [None, None, None, 0, 1]
+    assert Conversations(5, 1).previous(4) is None
+    texts = [f"q{i}" for i in range(5)]
+    outcomes = [StreamOutcome(index=i, scheduled_s=0.0, text=f" a{i}") for i in range(5)]
+    chat = conv.bodies(trace, texts, BodyOptions("chat", "m", system="be brief"))
+    assert chat(3, outcomes)["messages"] == [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "q0"},
+        {"role": "assistant", "content": " a0"}, {"role": "user", "content": "q3"}]
+    assert chat(2, outcomes)["messages"][1:] == [{"role": "user", "content": "q2"}]
+    comp = conv.bodies(trace, texts, BodyOptions("completions", "m"))
+    # The earlier prompt and its reply, as generated, are a prefix of the next prompt.
+    assert comp(4, outcomes)["prompt"] == "q1 a1\n\nq4"
+    assert comp(1, outcomes)["prompt"] == "q1"
+
+
+def test_the_reader_keeps_the_reply_and_cached_tokens() -> None:
+    out = StreamOutcome(index=0, scheduled_s=0.0)
+    reader = SSEReader(out, "chat")
+    for i, text in enumerate(["Hel", "lo"]):
+        reader.feed("data: " + json.dumps({"choices": [{"delta": {"content": text}}]}), float(i))
+    reader.feed("data: " + json.dumps({"choices": [], "usage": {
+        "prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42,
+        "prompt_tokens_details": {"cached_tokens": 32}}}), 2.0)
+    assert out.text == "Hello" and out.cached_tokens == 32 and out.prompt_tokens == 40
 
 
 # -- the stream reader and the timing rule ----------------------------------------------------

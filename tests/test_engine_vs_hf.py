@@ -1,18 +1,18 @@
 """Greedy tokens of the engine equal Hugging Face transformers' on the same GGUF file.
 
 transformers is the reference (fp32 both sides). The same prompts then run batched and
-with a tiny token budget (many prefill chunks): the ids must not change.
+with a tiny token budget (many prefill chunks): the ids must not change. Prefix caching is
+on (the default): the second and third passes find the prompts' blocks cached.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
 from common.config import EngineConfig
 from scheduler_svc.request import SamplingParams
 from superinfer.engine import LLMEngine
+from tests.hf_reference import hf_greedy
 
 NEW_TOKENS = 32
 
@@ -54,28 +54,7 @@ def prompt_ids(engine: LLMEngine) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_reference(engine: LLMEngine, prompt_ids: list[list[int]]) -> list[list[int]]:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    path = engine.source.path
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
-    )
-    model.eval()
-    # No EOS for the reference: it must run all NEW_TOKENS steps like ours with ignore_eos
-    # (min_new_tokens would instead mask EOS out of the logits and change the argmax).
-    model.generation_config.eos_token_id = None
-    out = []
-    with torch.inference_mode():
-        for ids in prompt_ids:
-            x = torch.tensor([ids])
-            g = model.generate(
-                x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS,
-                do_sample=False, pad_token_id=0,
-            )
-            out.append(g[0, len(ids):].tolist())
-    assert all(len(o) == NEW_TOKENS for o in out)
-    return out
+    return hf_greedy(engine.source.path, prompt_ids, NEW_TOKENS)
 
 
 def _greedy() -> SamplingParams:
@@ -106,5 +85,7 @@ def test_batched_and_chunked_equal_one_at_a_time(
     finally:
         engine.scheduler.config.max_batched_tokens = old
     assert chunked == hf_reference
+    # Those passes reused cached blocks: caching on equals transformers.
+    assert engine.stats()["prefix_cache_hit_tokens"] > sum(map(len, prompt_ids)) // 2
     engine.scheduler.check_integrity()
     assert engine.scheduler.bm.num_free_device == 512

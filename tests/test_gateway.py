@@ -251,6 +251,31 @@ def test_chat_greedy_equals_engine_streaming_and_not(stack: Stack) -> None:
         assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(stack: Stack) -> None:
+    """The same long conversation twice: the second finds its prompt's full blocks cached
+    (prefix caching is on by default), says so in usage, and answers the same."""
+    client = stack.client()
+    messages = [{"role": "system", "content": "You are a patient tutor. " * 12},
+                {"role": "user", "content": "Explain why the sky is blue, briefly."}]
+    first = client.chat.completions.create(model=stack.model, messages=messages,
+                                           max_tokens=8, temperature=0)
+    second = client.chat.completions.create(model=stack.model, messages=messages,
+                                            max_tokens=8, temperature=0)
+    chunks = list(client.chat.completions.create(
+        model=stack.model, messages=messages, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert first.usage is not None and second.usage is not None
+    n = second.usage.prompt_tokens
+    cached = second.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+    assert n > 64 and n - 16 <= cached < n and cached % 16 == 0  # all full blocks but the last
+    assert first.usage.prompt_tokens_details.cached_tokens < cached  # type: ignore[union-attr]
+    streamed = chunks[-1].usage
+    assert streamed is not None and streamed.prompt_tokens_details.cached_tokens == cached  # type: ignore[union-attr]
+    assert second.choices[0].message.content == first.choices[0].message.content
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == first.choices[0].message.content
+
+
 def test_chat_content_parts_and_system_role(stack: Stack) -> None:
     client = stack.client()
     ref = stack.reference["chat"][0]

@@ -64,6 +64,10 @@ VLLM_TYPES = {
     "vllm:time_to_first_token_seconds": "histogram",
     "vllm:inter_token_latency_seconds": "histogram",
     "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter",
+    "vllm:external_prefix_cache_queries": "counter",
+    "vllm:external_prefix_cache_hits": "counter",
 }
 VLLM_BUCKETS = {
     "vllm:time_to_first_token_seconds": [
@@ -86,6 +90,15 @@ VLLM_EQUALS: dict[str, list[tuple[str, dict[str, str]]]] = {
     "vllm:num_preemptions_total": [("superinfer_scheduler_preemptions_total", {})],
     "vllm:prompt_tokens_total": [("superinfer_prompt_tokens_total", {})],
     "vllm:generation_tokens_total": [("superinfer_generation_tokens_total", {})],
+    # vLLM's GPU prefix cache is the device tier; what its KV connectors serve, the host tier.
+    "vllm:prefix_cache_queries_total": [
+        ("superinfer_scheduler_prefix_cache_queries_tokens_total", {"tier": "device"})],
+    "vllm:prefix_cache_hits_total": [
+        ("superinfer_scheduler_prefix_cache_hits_tokens_total", {"tier": "device"})],
+    "vllm:external_prefix_cache_queries_total": [
+        ("superinfer_scheduler_prefix_cache_queries_tokens_total", {"tier": "host"})],
+    "vllm:external_prefix_cache_hits_total": [
+        ("superinfer_scheduler_prefix_cache_hits_tokens_total", {"tier": "host"})],
 }
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -344,6 +357,8 @@ def test_vllm_series_equal_superinfer_series_in_the_same_scrape(served: Served, 
                       **labels) == STREAMS
         assert _value(m, "vllm:num_preemptions_total", **labels) > 0
         assert _value(m, "vllm:time_to_first_token_seconds_count", **labels) == STREAMS
+        # Every admission queried the prefix cache (hits: test_bench_serve's multi-turn run).
+        assert _value(m, "vllm:prefix_cache_queries_total", **labels) > 0
 
 
 # -- SuperInfer's own series ----------------------------------------------------------------------

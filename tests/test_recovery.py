@@ -273,6 +273,50 @@ def test_kill_worker_then_kvmem_under_load(serve: Serve, reference: dict[str, st
     assert_clean(serve)
 
 
+# Prompts sharing a long prefix, two of them sent twice: with prefix caching (on by default)
+# requests share blocks on the device and their host copies, which the kills take away.
+SHARED = ("You are a helpful assistant for a small town library. Answer briefly, in plain "
+          "English, and never make up facts. The library opens at nine and closes at six, "
+          "except on Sundays and public holidays, when it stays closed all day long. ")
+SHARED_PROMPTS = [SHARED + p for p in PROMPTS[:6]] + [SHARED + PROMPTS[0], SHARED + PROMPTS[3]]
+
+
+def test_kill_worker_then_kvmem_with_cached_prefixes(serve: Serve) -> None:
+    """Caching on, blocks shared: the streams are unchanged by both kills, and the cache
+    serves again afterwards (from what survived; a lost tier is dropped, not served)."""
+    run_load(serve, SHARED_PROMPTS[:1])  # its blocks cached: the load below finds them
+    warm = run_load(serve, SHARED_PROMPTS)  # undisturbed: the reference, and a warm cache
+    want = [s.text for s in warm]
+    assert all(s.error is None and s.finish_reason == "length" for s in warm)
+    c0 = serve.stats().counters
+    assert c0["prefix_cache_hits"] > 0
+    before = {k: c0[k] for k in ("device_losses", "host_losses", "prefix_cache_hits",
+                                 "prefix_cache_host_hits")}
+
+    async def chaos(streams: list[Stream], tasks: list[asyncio.Task[Stream]]) -> None:
+        await until(lambda: min(len(s.token_times) for s in streams) >= 16)
+        kill(serve, "worker")  # the device tier goes; the host tier's copies survive
+        await until(lambda: min(len(s.token_times) for s in streams) >= 32
+                    or any(t.done() for t in tasks))
+        assert sum(not t.done() for t in tasks) >= 4, "the load ended before kvmem was killed"
+        kill(serve, "kvmem")  # and now the host tier goes too
+
+    streams = run_load(serve, SHARED_PROMPTS, chaos)
+    for s, text in zip(streams, want, strict=True):
+        assert s.error is None and s.finish_reason == "length" and s.done
+        assert s.text == text, "a stream changed by the restarts"
+    again = run_load(serve, SHARED_PROMPTS)  # on the new pools, filled since the kills
+    assert [s.text for s in again] == want
+    c = serve.stats().counters
+    assert c["device_losses"] == before["device_losses"] + 1
+    assert c["host_losses"] == before["host_losses"] + 1
+    assert c["prefix_cache_hits"] > before["prefix_cache_hits"]
+    print(f"\nprefix cache, both runs after the warm one: device hits "
+          f"{c['prefix_cache_hits'] - before['prefix_cache_hits']:.0f} tokens, host hits "
+          f"{c['prefix_cache_host_hits'] - before['prefix_cache_host_hits']:.0f}")
+    assert_clean(serve)
+
+
 def test_stopped_kvmem_is_killed_and_restarted_under_load(serve: Serve,
                                                           reference: dict[str, str]) -> None:
     pids: dict[str, int] = {}

@@ -74,6 +74,7 @@ def test_cli_generate_json_reports_rotation_stats(tmp_path: Path,
     assert [ln["token_ids"] for ln in lines[:-1]] == reference
     assert [ln["prompt"] for ln in lines[:-1]] == PROMPTS
     stats = lines[-1]["stats"]
-    for key in ("rotations", "swap_in_blocks", "swap_out_blocks", "eager_blocks", "recomputes"):
+    for key in ("rotations", "swap_in_blocks", "swap_out_blocks", "eager_blocks", "recomputes",
+                "prefix_cache_hit_tokens"):
         assert key in stats
     assert stats["rotations"] > 0

@@ -10,7 +10,7 @@ from common.contracts import ExecuteResult
 from scheduler_svc.policy import POLICY_NAMES, RotationLimits, make_policy
 from scheduler_svc.request import SLO, Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from tests.kvcheck import CheckingExecutor, KVStore, next_token
+from tests.kvcheck import CheckingExecutor, KVStore, assert_writes_private, next_token
 
 
 class FakeClock:
@@ -33,6 +33,7 @@ def run_engine(
     xfer: int | None = None,
     step_s: float = 0.05,
     eager: int = 8,
+    caching: bool = False,
 ) -> tuple[dict[str, list[int]], Scheduler, KVStore]:
     clock = FakeClock()
     sched = Scheduler(
@@ -42,6 +43,7 @@ def run_engine(
             block_size=block_size,
             max_batched_tokens=max_batched_tokens,
             eager_budget_blocks=eager,
+            enable_prefix_caching=caching,
         ),
         make_policy(policy, limits=RotationLimits(xfer_budget_blocks=xfer)),
         clock=clock,
@@ -65,6 +67,7 @@ def run_engine(
         if not sched.has_unfinished() and not pending:
             break
         out = sched.schedule()
+        assert_writes_private(sched, out)
         if out.transfers is not None:
             store.log.append((len(out.transfers.swap_in), len(out.rotated_in)))
             store.transfer(out.transfers)
@@ -87,9 +90,21 @@ def expected(prompt: list[int], n: int) -> list[int]:
     return ctx[len(prompt):]
 
 
-def workload(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+def workload(n: int, seed: int = 0, shared: bool = False) -> tuple[list[list[int]], list[int]]:
+    """n random prompts and output lengths; `shared`: the prompts start with one of three
+    prefixes (up to 24 tokens), and a few are sent twice."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(1000) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+    if not shared:
+        prompts = [[rng.randrange(1000) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+        return prompts, [rng.randint(1, 30) for _ in range(n)]
+    heads = [[rng.randrange(1000) for _ in range(rng.randint(0, 24))] for _ in range(3)]
+    prompts = []
+    for i in range(n):
+        if i > 0 and rng.random() < 0.2:
+            prompts.append(list(rng.choice(prompts)))
+        else:
+            tail = [rng.randrange(1000) for _ in range(rng.randint(1, 16))]
+            prompts.append(rng.choice(heads) + tail)
     return prompts, [rng.randint(1, 30) for _ in range(n)]
 
 

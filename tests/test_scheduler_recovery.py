@@ -42,14 +42,17 @@ def run_with_fault(
     host_blocks: int = 200,
     seed: int = 1,
     repeat: int = 1,
+    caching: bool = False,
 ) -> tuple[dict[str, list[int]], Scheduler, list[Recovery]]:
     """Run a workload; at `fault_iteration` (and every `repeat`-th one after, `repeat`
-    times) the iteration fails at `at` ("transfer" or "execute") and `fault` recovers."""
-    prompts, lens = workload(n, seed=seed)
+    times) the iteration fails at `at` ("transfer" or "execute") and `fault` recovers.
+    `caching`: prefix caching on, and prompts that share prefixes."""
+    prompts, lens = workload(n, seed=seed, shared=caching)
     clock = FakeClock()
     sched = Scheduler(
         SchedulerConfig(num_device_blocks=device_blocks, num_host_blocks=host_blocks,
-                        block_size=4, max_batched_tokens=32, eager_budget_blocks=8),
+                        block_size=4, max_batched_tokens=32, eager_budget_blocks=8,
+                        enable_prefix_caching=caching),
         make_policy(policy, limits=RotationLimits()), clock=clock,
     )
     store = KVStore(device_blocks, host_blocks, 4)

@@ -462,6 +462,20 @@ def test_each_engine_flag_goes_to_the_service_that_owns_it() -> None:
         assert flag(specs["gateway"], "--port") == "8000"
 
 
+@pytest.mark.parametrize("argv", [(), ("--no-pipeline", "--no-enable-prefix-caching"),
+                                  ("--pipeline", "--no-enable-prefix-caching")])
+def test_on_off_flags_reach_the_scheduler_as_given(argv: tuple[str, ...]) -> None:
+    """`--pipeline` and `--enable-prefix-caching` have --no- spellings: the scheduler must
+    get the value serve was given (it once got `--no-pipeline` for the default)."""
+    args = _serve_args(*argv)
+    sched = {s.name: s.argv for s in services_cli.service_specs(args)}["scheduler"]
+    p = argparse.ArgumentParser()
+    services_cli._add_scheduler(p)
+    got = p.parse_args(sched[sched.index("scheduler") + 1:])
+    assert (got.pipeline, got.enable_prefix_caching) == (args.pipeline,
+                                                         args.enable_prefix_caching)
+
+
 def test_pid_file_refuses_a_second_live_copy(tmp_path: Path) -> None:
     path = tmp_path / "worker.pid"
     path.write_text("1\n")  # pid 1 is alive: another copy "runs"

@@ -88,8 +88,11 @@ def _hf(model: Any, prompts: list[list[int]], new: int) -> tuple[float, float]:
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
+    # Prefix caching off: every repeat runs the same prompts, and this measures the forward
+    # pass (a cached prompt's TTFT would say nothing about it).
     engine = LLMEngine(EngineConfig(device_blocks=2048, host_blocks=0,
-                                    max_batched_tokens=4096, dtype=args.dtype))
+                                    max_batched_tokens=4096, dtype=args.dtype,
+                                    enable_prefix_caching=False))
     fmt = engine.built.format.name
     hf = None
     if not args.no_hf:

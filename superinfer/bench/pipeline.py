@@ -65,7 +65,8 @@ def _one(mode: str, args: argparse.Namespace, prompts: list[str], trace_dir: Pat
     trace = trace_dir / f"{mode}.json"
     with tempfile.TemporaryDirectory(prefix=f"superinfer-pipeline-{mode}-") as d:
         sup, url = _start_stack(Path(d), args.device_blocks, args.startup_timeout,
-                                scheduler_args=[*MODES[mode], "--trace", str(trace)],
+                                scheduler_args=[*MODES[mode], "--trace", str(trace),
+                                                "--no-enable-prefix-caching"],  # same prompts
                                 host_blocks=args.host_blocks)
         try:
             asyncio.run(_served_once(url, prompts[:2], 4))  # warm-up (in the trace too)

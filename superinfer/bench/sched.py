@@ -8,6 +8,9 @@ this thread (what the decision itself costs, even on a machine busy with other w
 The running batch is capped by `--max-num-seqs` (the engine's default is 256, as vLLM's);
 every running request costs a few microseconds per decision (its chunk and block table),
 so the second default row shows the cost with a batch of thousands.
+
+`--prefix-caching off,on` measures both ways: prompts are distinct random tokens, so the
+cache finds nothing and the row shows what naming blocks and looking prefixes up cost.
 """
 
 from __future__ import annotations
@@ -32,26 +35,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iterations", type=int, default=30, help="timed schedule() calls")
     p.add_argument("--xfer-budget-blocks", type=int, default=2400, help="B_xfer (GH200 default)")
     p.add_argument("--min-residency", type=int, default=32)
+    p.add_argument("--prefix-caching", default="off",
+                   help="off, on, or both (off,on): automatic prefix caching in the scheduler")
     p.add_argument("--json", default=None, help="write results to this JSON file")
 
 
 def measure(live: int, policy: str, iterations: int, xfer_budget: int | None = 2400,
             min_residency: int = 32, seed: int = 0,
-            max_num_seqs: int = 256) -> dict[str, float]:
+            max_num_seqs: int = 256, prefix_caching: bool = False) -> dict[str, float]:
     rng = random.Random(seed)
+    tokens = random.Random(seed + 1)  # distinct prompts: nothing for a prefix cache to find
     clock = [0.0]
     bs = 16
     # Device memory for about a third of the live requests' KV: rotation is in play.
     sched = Scheduler(
         SchedulerConfig(num_device_blocks=live * 2, num_host_blocks=live * 8, block_size=bs,
                         max_batched_tokens=8192, max_num_seqs=max_num_seqs,
-                        eager_budget_blocks=256),
+                        eager_budget_blocks=256, enable_prefix_caching=prefix_caching),
         make_policy(policy, VLTParams(), RotationLimits(xfer_budget, min_residency)),
         clock=lambda: clock[0],
     )
     for i in range(live):
         sched.add_request(Request(
-            f"r{i}", [1] * rng.randint(16, 160), SamplingParams(max_tokens=10_000, ignore_eos=True),
+            f"r{i}", [tokens.randrange(49152) for _ in range(rng.randint(16, 160))],
+            SamplingParams(max_tokens=10_000, ignore_eos=True),
             arrival_time=clock[0] - rng.random() * 5, slo=SLO(5.0, 0.1),
         ))
 
@@ -83,15 +90,17 @@ def measure(live: int, policy: str, iterations: int, xfer_budget: int | None = 2
         "cpu_p50_ms": statistics.median(cpu) * 1e3,
         "cpu_max_ms": max(cpu) * 1e3,
         "rotations": sched.stats.rotations,
+        "prefix_caching": prefix_caching,
     }
 
 
 def run(args: argparse.Namespace) -> int:
+    modes = [m.strip() == "on" for m in args.prefix_caching.split(",")]
     rows = [measure(int(n), args.policy, args.iterations, args.xfer_budget_blocks,
-                    args.min_residency, max_num_seqs=int(m))
-            for m in args.max_num_seqs.split(",") for n in args.live.split(",")]
-    keys = ["live", "max_num_seqs", "running", "waiting", "rotary", "mean_ms", "p50_ms",
-            "max_ms", "cpu_p50_ms", "cpu_max_ms", "rotations"]
+                    args.min_residency, max_num_seqs=int(m), prefix_caching=pc)
+            for m in args.max_num_seqs.split(",") for n in args.live.split(",") for pc in modes]
+    keys = ["live", "max_num_seqs", "prefix_caching", "running", "waiting", "rotary", "mean_ms",
+            "p50_ms", "max_ms", "cpu_p50_ms", "cpu_max_ms", "rotations"]
     print(f"schedule() cost, policy {args.policy}")
     print(table(keys, [[r[k] for k in keys] for r in rows]))
     write_json(args.json, {"policy": args.policy, "results": rows})

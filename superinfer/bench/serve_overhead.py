@@ -143,8 +143,10 @@ class _Served:
         self.tmp = tempfile.TemporaryDirectory(prefix="superinfer-overhead-")
         self.url = args.url
         if self.url is None:
+            # Caching off on both sides: the repeats send the same prompts.
             self.sup, self.url = _start_stack(Path(self.tmp.name), args.device_blocks,
-                                              args.startup_timeout)
+                                              args.startup_timeout,
+                                              scheduler_args=["--no-enable-prefix-caching"])
 
     def measure(self, prompts: list[str], new: int) -> Measure:
         assert self.url is not None
@@ -170,7 +172,8 @@ class _InProcess:
 
         if args.threads is not None:
             torch.set_num_threads(args.threads)
-        self.engine = LLMEngine(EngineConfig(device_blocks=args.device_blocks, host_blocks=0))
+        self.engine = LLMEngine(EngineConfig(device_blocks=args.device_blocks, host_blocks=0,
+                                             enable_prefix_caching=False))
 
     def measure(self, prompts: list[str], new: int) -> Measure:
         from scheduler_svc.request import SamplingParams

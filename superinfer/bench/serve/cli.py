@@ -14,7 +14,13 @@ from typing import Any
 
 from common.errors import SuperInferError
 from superinfer.argtypes import positive, rate, rates
-from superinfer.bench.serve.prompts import BodyOptions, TextTokenizer, prompt_text, request_body
+from superinfer.bench.serve.prompts import (
+    BodyOptions,
+    Conversations,
+    TextTokenizer,
+    prompt_text,
+    system_prompt,
+)
 from superinfer.bench.serve.runner import (
     BenchError,
     Target,
@@ -79,6 +85,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--temperature", type=float, default=0.0)
     w.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="ask for exactly the trace's output length (default on)")
+    w.add_argument("--system-prompt-len", type=int, default=0, metavar="TOKENS",
+                   help="a system prompt of about this many tokens shared by every request")
+    w.add_argument("--multi-turn", type=int, default=1, metavar="TURNS",
+                   help="replay conversations of this many turns: the trace's requests are "
+                        "their user turns (request i is turn i // C of conversation i %% C, "
+                        "C = requests / TURNS), and each turn's prompt is the conversation so "
+                        "far, the server's replies included; a turn is sent at its arrival or "
+                        "--think-time after the previous reply, whichever is later")
+    w.add_argument("--think-time", type=float, default=0.0, metavar="S",
+                   help="multi-turn: seconds between a reply and the next turn")
     b = p.add_argument_group(
         "baseline mode (superinfer/bench/serve/baseline.py): the same streamed workload "
         "against --base-url and --baseline-url at each of --streams, interleaved, with ratios")
@@ -164,6 +180,10 @@ def _check(args: argparse.Namespace) -> None:
         raise BenchError(f"--temperature must be in [0, 100], got {args.temperature}")
     if args.num_prompts is not None and args.duration is not None:
         raise BenchError("give --num-prompts or --duration, not both")
+    if args.multi_turn < 1:
+        raise BenchError(f"--multi-turn must be at least 1, got {args.multi_turn}")
+    if args.think_time < 0 or args.system_prompt_len < 0:
+        raise BenchError("--think-time and --system-prompt-len must be >= 0")
     if args.duration is not None and math.isinf(args.rps) and not args.sweep_rps:
         raise BenchError("--duration needs a finite --rps (or --sweep-rps); "
                          "with the default infinite rate give --num-prompts")
@@ -219,17 +239,21 @@ def _run(args: argparse.Namespace) -> int:
     murl = None if args.metrics_url == "none" else (args.metrics_url or metrics_url(args.base_url))
     send_slo = not args.no_send_slo
     opts = BodyOptions(args.endpoint, model, args.temperature, args.ignore_eos,
-                       args.ttft_slo if send_slo else None, args.tbt_slo if send_slo else None)
+                       args.ttft_slo if send_slo else None, args.tbt_slo if send_slo else None,
+                       system_prompt(args.system_prompt_len, args.seed, tok))
     rows: list[dict[str, Any]] = []
     traces = {}
     for rps in args.sweep_rps or [args.rps]:
         spec = _spec(args, rps)
         trace = build_trace(spec, tok.encode if tok else None)
         traces[rps] = trace_stats(trace)
-        bodies = [request_body(r, prompt_text(r, args.seed, tok), opts) for r in trace]
+        texts = [prompt_text(r, args.seed, tok) for r in trace]
+        turns = Conversations(len(trace), args.multi_turn)
         before = asyncio.run(scrape(murl))
         with progress_bar(len(trace), f"{rps:g} req/s", not args.no_progress) as bar:
-            outcomes, start, end = asyncio.run(replay(target, trace, bodies, on_done=_ticker(bar)))
+            outcomes, start, end = asyncio.run(replay(
+                target, trace, turns.bodies(trace, texts, opts), on_done=_ticker(bar),
+                after=turns.previous, think_s=args.think_time))
         server = metric_deltas(before, asyncio.run(scrape(murl)))
         # Goodput per second of arrivals, as the simulator counts it; with every request
         # at t = 0 there is no arrival span, so per second of the run, as vLLM counts it.
@@ -250,6 +274,8 @@ def _run(args: argparse.Namespace) -> int:
         "max_prompt_len": args.max_prompt_len, "max_output_len": args.max_output_len,
         "length_scale": args.length_scale, "max_concurrency": args.max_concurrency,
         "temperature": args.temperature, "ignore_eos": args.ignore_eos,
+        "system_prompt_len": args.system_prompt_len, "multi_turn": args.multi_turn,
+        "think_time_s": args.think_time,
         "ttft_slo_s": args.ttft_slo, "tbt_slo_s": args.tbt_slo, "slo_sent": send_slo,
         "traces": {f"{k:g}": v for k, v in traces.items()},
     }

@@ -8,11 +8,16 @@ exactly n tokens. Dataset prompts are sent as they are, cut to the trace's promp
 when --max-prompt-len or --length-scale shortened it (with a tokenizer: by tokens;
 without: at 4 characters per token, the workload's estimate). What the server really
 counted comes back in `usage` and is what the results report.
+
+Two shapes of chat traffic that prefix caching is for: a shared system prompt (the same
+`--system-prompt-len` tokens before every request's own text) and multi-turn
+conversations, where each turn's prompt is the conversation so far — every earlier user
+turn and the server's own replies — followed by the new user turn (`Turn`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +74,11 @@ def fit_prompt(text: str, n_tokens: int, tok: TextTokenizer | None) -> str:
     return text if len(ids) <= n_tokens else tok.decode(ids[:n_tokens])
 
 
+def system_prompt(n_tokens: int, seed: int, tok: TextTokenizer | None) -> str:
+    """The shared system prompt: the same words for every request of a run."""
+    return synthetic_prompt(n_tokens, 1 << 32, seed, tok) if n_tokens > 0 else ""  # no request's index
+
+
 def prompt_text(req: TraceRequest, seed: int, tok: TextTokenizer | None) -> str:
     if req.prompt is None:
         return synthetic_prompt(req.prompt_len, req.index, seed, tok)
@@ -83,10 +93,49 @@ class BodyOptions:
     ignore_eos: bool = True
     ttft_slo_s: float | None = None  # sent in the `slo` extra when set
     tbt_slo_s: float | None = None
+    system: str = ""  # a system prompt shared by every request ("" = none)
 
 
-def request_body(req: TraceRequest, text: str, opt: BodyOptions) -> dict[str, Any]:
-    """An OpenAI streaming request asking for exactly the trace's output length."""
+@dataclass(slots=True, frozen=True)
+class Turn:
+    """An earlier turn of the same conversation: what the user sent, what came back."""
+
+    user: str
+    reply: str
+
+
+@dataclass(slots=True, frozen=True)
+class Conversations:
+    """A trace's requests as the user turns of conversations of `turns` turns: request i
+    is turn i // C of conversation i % C, with C = ceil(requests / turns) (so turns of a
+    conversation are spread across the run, other traffic between them). turns = 1: every
+    request on its own."""
+
+    num_requests: int
+    turns: int = 1
+
+    @property
+    def count(self) -> int:
+        return -(-self.num_requests // self.turns)
+
+    def previous(self, i: int) -> int | None:
+        """The request whose reply request i's prompt carries last (None: a first turn)."""
+        return i - self.count if self.turns > 1 and i >= self.count else None
+
+    def bodies(self, trace: Sequence[TraceRequest], texts: Sequence[str],
+               opt: BodyOptions) -> Callable[[int, Sequence[Any]], dict[str, Any]]:
+        """Request i's body, given the outcomes so far (each with the reply's `text`)."""
+        def body(i: int, outcomes: Sequence[Any]) -> dict[str, Any]:
+            earlier = range(i % self.count, i, self.count) if self.turns > 1 else ()
+            history = [Turn(texts[j], outcomes[j].text) for j in earlier]
+            return request_body(trace[i], texts[i], opt, history)
+        return body
+
+
+def request_body(req: TraceRequest, text: str, opt: BodyOptions,
+                 history: Sequence[Turn] = ()) -> dict[str, Any]:
+    """An OpenAI streaming request asking for exactly the trace's output length; with
+    `history`, its prompt is the conversation so far and then `text`."""
     body: dict[str, Any] = {
         "model": opt.model,
         "max_tokens": req.output_len,
@@ -95,9 +144,17 @@ def request_body(req: TraceRequest, text: str, opt: BodyOptions) -> dict[str, An
         "stream_options": {"include_usage": True},
     }
     if opt.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": text}]
+        messages = [{"role": "system", "content": opt.system}] if opt.system else []
+        for turn in history:
+            messages += [{"role": "user", "content": turn.user},
+                         {"role": "assistant", "content": turn.reply}]
+        body["messages"] = [*messages, {"role": "user", "content": text}]
     else:
-        body["prompt"] = text
+        # A plain transcript, a paragraph per turn: each reply right after the text it
+        # continued, as it was generated (so the earlier prompt is a prefix of this one).
+        parts = [opt.system] if opt.system else []
+        parts += [turn.user + turn.reply for turn in history]
+        body["prompt"] = "\n\n".join([*parts, text])
     if opt.ignore_eos:
         body["ignore_eos"] = True  # vLLM's and SuperInfer's extra: output lengths follow the trace
     if opt.ttft_slo_s is not None and opt.tbt_slo_s is not None:

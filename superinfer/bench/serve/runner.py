@@ -2,7 +2,9 @@
 
 Each request is sent at its trace arrival time whether or not earlier ones are done
 (an open-loop client, as `vllm bench serve`); `max_concurrency` caps the requests in
-flight, and a request that waits for a slot is sent (and timed) when it gets one. Before
+flight, and a request that waits for a slot is sent (and timed) when it gets one. In a
+multi-turn run a turn needs its conversation's previous reply: it is sent at its arrival
+or `think_s` after that reply ended, whichever is later (and timed from then). Before
 sending anything, `probe` asks GET /models so a wrong URL fails at once with a clear
 message. The server's own Prometheus counters are read before and after a pass where
 the server has them (SuperInfer's /metrics), so the results can show what the server
@@ -122,35 +124,59 @@ def metric_deltas(before: dict[str, float] | None, after: dict[str, float] | Non
     return {k: after[k] - before.get(k, 0.0) for k in sorted(after)}
 
 
+# The body of trace position i, made when it is sent from the outcomes so far (a turn
+# of a conversation carries the replies before it).
+BodyMaker = Callable[[int, Sequence[StreamOutcome]], dict[str, Any]]
+
+
 async def replay(
     target: Target,
     trace: Sequence[TraceRequest],
-    bodies: Sequence[dict[str, Any]],
+    bodies: Sequence[dict[str, Any]] | BodyMaker,
     on_done: Callable[[StreamOutcome], None] | None = None,
     lead_s: float = 0.05,
+    after: Callable[[int], int | None] | None = None,
+    think_s: float = 0.0,
 ) -> tuple[list[StreamOutcome], float, float]:
-    """Send every request at its arrival; (outcomes in trace order, start, end) perf times."""
+    """Send every request at its arrival; (outcomes in trace order, start, end) perf times.
+
+    `after(i)`: the trace position whose reply request i waits for (None: none), then
+    `think_s` more."""
     run_id = uuid.uuid4().hex[:8]
     limit = target.max_concurrency
     sem = asyncio.Semaphore(limit) if limit else None
     headers = target.headers()
+    outcomes = [StreamOutcome(index=r.index, scheduled_s=r.arrival_s) for r in trace]
+    done = [asyncio.Event() for _ in trace]
     async with target.client(max_connections=limit) as client:
         start = time.perf_counter() + lead_s
 
-        async def one(req: TraceRequest, body: dict[str, Any]) -> StreamOutcome:
-            out = StreamOutcome(index=req.index, scheduled_s=req.arrival_s)
-            delay = start + req.arrival_s - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            h = {**headers, "X-Request-ID": f"bench-{run_id}-{req.index}"}
-            async with sem or contextlib.nullcontext():
-                await send(client, target.path, body, out, target.endpoint, h)
+        async def one(i: int, req: TraceRequest) -> StreamOutcome:
+            out = outcomes[i]
+            prev = after(i) if after is not None else None
+            try:
+                delay = start + req.arrival_s - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if prev is not None:
+                    await done[prev].wait()
+                    end = outcomes[prev].done_at or time.perf_counter()
+                    if (wait := end + think_s - time.perf_counter()) > 0:
+                        await asyncio.sleep(wait)
+                    # When it was due: a later send than this is the client's lag.
+                    out.scheduled_s = max(req.arrival_s, end + think_s - start)
+                body = bodies(i, outcomes) if callable(bodies) else bodies[i]
+                h = {**headers, "X-Request-ID": f"bench-{run_id}-{req.index}"}
+                async with sem or contextlib.nullcontext():
+                    await send(client, target.path, body, out, target.endpoint, h)
+            finally:
+                done[i].set()
             if on_done is not None:
                 on_done(out)
             return out
 
-        outcomes = await asyncio.gather(*(one(r, b) for r, b in zip(trace, bodies, strict=True)))
-    return list(outcomes), start, time.perf_counter()
+        await asyncio.gather(*(one(i, r) for i, r in enumerate(trace)))
+    return outcomes, start, time.perf_counter()
 
 
 def progress_bar(total: int, desc: str, enabled: bool) -> Any:

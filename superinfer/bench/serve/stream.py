@@ -39,6 +39,8 @@ class StreamOutcome:
     done_at: float | None = None
     prompt_tokens: int | None = None  # from usage
     output_tokens: int | None = None  # from usage
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if sent
+    text: str = ""  # the reply (a multi-turn conversation sends it back in the next turn)
     finish_reason: str | None = None
     error: str | None = None
     http_status: int | None = None
@@ -106,6 +108,9 @@ class SSEReader:
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             self.out.prompt_tokens = usage.get("prompt_tokens")
             self.out.output_tokens = usage["completion_tokens"]
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                self.out.cached_tokens = details["cached_tokens"]
         for choice in event.get("choices") or ():
             if not isinstance(choice, dict):
                 continue
@@ -118,6 +123,8 @@ class SSEReader:
                 counted = bool(text) or (text == "" and choice.get("finish_reason") is None)
             if counted:
                 self.out.chunk_times.append(now)
+            if isinstance(text, str):
+                self.out.text += text
             if choice.get("finish_reason"):
                 self.out.finish_reason = choice["finish_reason"]
 

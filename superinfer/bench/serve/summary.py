@@ -61,6 +61,17 @@ def result_row(
     row.update({k: m[k] for k in SIM_KEYS})
     rotations = scheduler_stat(server, "rotations")
     row["rotations"] = None if rotations is None else int(rotations)
+    # The prefix cache, as the client saw it (usage.prompt_tokens_details.cached_tokens)
+    # and, where the server has them, per tier from its counters.
+    cached = [o.cached_tokens for o in outcomes if o.cached_tokens is not None]
+    prompt = sum(o.prompt_tokens or 0 for o in outcomes)
+    row["cached_tokens"] = sum(cached) if cached else None
+    row["prefix_cache_hit_rate"] = sum(cached) / prompt if cached and prompt else None
+    row["server_prefix_cache"] = {
+        key: None if (v := scheduler_stat(server, key)) is None else int(v)
+        for key in ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_host_queries",
+                    "prefix_cache_host_hits")
+    }
     completed = [o for o in outcomes if o.ok]
     wall = end - start
     row.update({
@@ -91,6 +102,7 @@ def _detail(req: TraceRequest, o: StreamOutcome, start: float) -> dict[str, Any]
         "trace_prompt_len": req.prompt_len,
         "trace_output_len": req.output_len,
         "prompt_tokens": o.prompt_tokens,
+        "cached_tokens": o.cached_tokens,
         "output_tokens": len(times),
         "timed_chunks": len(o.chunk_times),
         "finish_reason": o.finish_reason,
@@ -135,6 +147,16 @@ def format_pass(row: dict[str, Any], ttft_slo_s: float, tbt_slo_s: float) -> str
         f"{row['prompt_tokens']} prompt, {row['output_tokens']} output"
         + (f"; server rotations {row['rotations']}" if row["rotations"] is not None else ""),
     ]
+    pc = row.get("server_prefix_cache") or {}
+    if row.get("cached_tokens") is not None or any(v for v in pc.values()):
+        rate = row.get("prefix_cache_hit_rate")
+        line = (f"prefix cache: {row.get('cached_tokens') or 0} of {row['prompt_tokens']} "
+                f"prompt tokens cached ({_pct(rate)})")
+        if pc.get("prefix_cache_hits") is not None:
+            line += (f"; server hits: device {pc['prefix_cache_hits']} / "
+                     f"{pc['prefix_cache_queries']} tokens, host {pc['prefix_cache_host_hits']}"
+                     f" / {pc['prefix_cache_host_queries']}")
+        lines.append(line)
     if row["untimed_tokens"]:
         lines.append(f"note: {row['untimed_tokens']} tokens came without a chunk of their own "
                      "and were timed at their stream's last chunk")
