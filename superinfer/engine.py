@@ -70,7 +70,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mcfg.max_position, mcfg.max_position)
         self.scheduler = build_scheduler(
             config, dev, host, mcfg.max_position,
-            model_id=model_identity(str(self.source.path), config.dtype))
+            model_id=model_identity(str(self.source.path), self.built.weights))
         self.trackers: dict[str, OutputTracker] = {}
         self._ids = itertools.count()
         self.trace = Trace(config.trace, "superinfer generate") if config.trace else None

@@ -19,7 +19,6 @@ import torch
 from common.config import EngineConfig
 from common.contracts import PLACEHOLDER, KVShape, ScheduledChunk
 from common.daemon import Daemon, run_daemon
-from common.dtypes import DTYPE_NAMES
 from common.shm import SegmentRecord
 from common.wire import chunk_from_proto
 from proto import scheduler_pb2, worker_pb2, worker_pb2_grpc
@@ -76,7 +75,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             num_kv_heads=mcfg.num_kv_heads,
             head_dim=mcfg.head_dim,
             block_size=cfg.block_size,
-            dtype=DTYPE_NAMES[dtype],
+            # the executor format (its KV cache matches it: scheduler_svc model_identity)
+            dtype=built.weights,
             source_kind=source.kind,
             source_path=str(source.path),
         )
