@@ -4,10 +4,11 @@
 -march=native -fopenmp) into a cache directory the project owns,
 ``$SUPERINFER_KERNELS_DIR`` or ``$XDG_CACHE_HOME/superinfer/torch_extensions`` (default
 ``~/.cache/superinfer/torch_extensions``), one subdirectory per CPU feature set, torch and
-Python version: -march=native code must never be loaded on another kind of CPU sharing
-the same home directory. torch rebuilds when a source or flag changes and holds a file
-lock while it builds, so of several processes started at once one builds (~35-60 s
-here) and the others wait and then load it (~0.1 s). A failed build (no compiler, no
+Python version (-march=native code must never be loaded on another kind of CPU sharing
+the same home directory) and checkout. torch rebuilds when a source or flag changes and
+holds a file lock while it builds, so of several processes started at once one builds
+(~35-60 s here, minutes on a loaded machine) and the others wait and then load it
+(~0.1 s); a lock left by a killed build is removed after `STALE_LOCK_S`. A failed build (no compiler, no
 ninja, a compile error) logs one warning and returns None: the executor then runs its
 pure-torch path. ``SUPERINFER_NO_KERNELS=1`` skips the kernels on purpose (tests of
 that path).
@@ -82,6 +83,21 @@ def _ensure_ninja() -> None:
             return
 
 
+STALE_LOCK_S = 900.0  # a build takes ~1 min; a lock this old was left by a killed build
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """torch's build lock is a file that a killed build leaves behind, and every later
+    load would wait on it forever."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("kernels_stale_lock", path=str(lock), age_s=round(age))
+        lock.unlink(missing_ok=True)
+
+
 def load() -> Any | None:
     """The compiled module, or None (with one logged warning) when it cannot be had."""
     with _lock:
@@ -107,8 +123,12 @@ def _build() -> Any:
     import torch.utils.cpp_extension as cpp
 
     _ensure_ninja()
-    build_dir = cache_root() / f"cpu-{machine_key()}"
+    # one directory per machine kind and per checkout: torch rebuilds when the source
+    # paths in its build file change, so two checkouts sharing one would rebuild in turn
+    where = hashlib.sha256(str(CSRC).encode()).hexdigest()[:8]
+    build_dir = cache_root() / f"cpu-{machine_key()}-{where}"
     build_dir.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(build_dir / "lock")
     t0 = time.perf_counter()
     ops = cpp.load(
         name="superinfer_cpu_ops",

@@ -4,7 +4,8 @@ several concurrencies, in one run, interleaved, with the ratio.
 
 Per concurrency c, a pass sends c x `--requests-per-stream` requests, at most c in flight
 (c concurrent streams), each a synthetic prompt of `--prompt-len` tokens (uniform in the
-range, the same texts for both servers) asking for exactly `--output-len` greedy tokens
+range; texts no earlier pass sent, so no prefix cache answers them; the same texts for
+both servers) asking for exactly `--output-len` greedy tokens
 (``ignore_eos``). Every repeat runs each concurrency on both servers back to back, the
 order alternating between repeats, so drift in the machine's load hits both alike. What
 a pass reports:
@@ -100,31 +101,40 @@ def run_baseline(args: Any, tok: TextTokenizer | None) -> int:
     labels = {"ours": args.label or "superinfer", "baseline": args.baseline_label}
     streams = args.streams
     lo, hi = parse_range(args.prompt_len)
-    n_max = max(streams) * args.requests_per_stream
-    rng = np.random.default_rng(args.seed)
-    plens = rng.integers(lo, hi + 1, n_max).tolist()
-    texts = [synthetic_prompt(n, i, args.seed, tok) for i, n in enumerate(plens)]
     targets = {"ours": ours, "baseline": base}
+    # Every pass gets prompts no earlier pass sent (neither server may answer from a
+    # prefix cache); both servers get the same ones in the same repeat.
+    offsets: dict[tuple[int, int], int] = {}
 
-    def one_pass(side: str, c: int) -> dict[str, Any]:
+    def prompts(rep: int, c: int) -> list[tuple[int, str]]:
         n = c * args.requests_per_stream
-        trace = [TraceRequest(i, 0.0, plens[i], args.output_len) for i in range(n)]
+        first = offsets.setdefault((rep, c), sum(k[1] for k in offsets) * args.requests_per_stream)
+        out = []
+        for i in range(first, first + n):
+            plen = int(np.random.default_rng([args.seed, i]).integers(lo, hi + 1))
+            out.append((plen, synthetic_prompt(plen, i, args.seed, tok)))
+        return out
+
+    def one_pass(side: str, c: int, rep: int) -> dict[str, Any]:
+        ps = prompts(rep, c)
+        trace = [TraceRequest(i, 0.0, plen, args.output_len) for i, (plen, _) in enumerate(ps)]
         opts = BodyOptions(args.endpoint, models[side], 0.0, True)
-        bodies = [request_body(r, texts[r.index], opts) for r in trace]
+        bodies = [request_body(r, ps[r.index][1], opts) for r in trace]
         t = targets[side]
         limited = Target(t.base_url, t.endpoint, t.api_key, t.read_timeout_s, c)
         outcomes, start, end = asyncio.run(replay(limited, trace, bodies))
         return pass_metrics(outcomes, start, end)
 
     # a short warm-up on each (first-use costs: thread pools, caches, a tuner's first picks)
+    load_before = os.getloadavg()
     for side in targets:
-        one_pass(side, min(streams))
+        one_pass(side, min(streams), -1)
     passes: list[dict[str, Any]] = []
     for rep in range(args.repeats):
         for c in streams:
             order = ("ours", "baseline") if rep % 2 == 0 else ("baseline", "ours")
             for side in order:
-                m = one_pass(side, c)
+                m = one_pass(side, c, rep)
                 passes.append({"repeat": rep, "streams": c, "side": side, **m})
                 print(f"  repeat {rep + 1}/{args.repeats}  {c:3d} streams  {labels[side]:>12s}: "
                       f"{_f(m['tok_s'], 1)} tok/s, ITL {_f(m['itl_ms'], 1)} ms, "
@@ -139,6 +149,8 @@ def run_baseline(args: Any, tok: TextTokenizer | None) -> int:
         "requests_per_stream": args.requests_per_stream, "repeats": args.repeats,
         "prompt_len": [lo, hi], "output_len": args.output_len, "seed": args.seed,
         "cpu": cpu_info(), "note": args.note,
+        # other processes on the machine: the ratio is what counts, but say how busy it was
+        "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
     }
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
