@@ -31,7 +31,9 @@ cleanup() {
 }
 trap cleanup EXIT
 
-"$LLAMA_SERVER" -m "$GGUF" --host 127.0.0.1 --port "$LPORT" -np 32 -c 16384 \
+# LLAMA_ARGS: more llama-server flags, e.g. "-t 1" (its default: one thread per core)
+# shellcheck disable=SC2086
+"$LLAMA_SERVER" -m "$GGUF" --host 127.0.0.1 --port "$LPORT" -np 32 -c 16384 ${LLAMA_ARGS:-} \
     >"$run_dir/llama-server.log" 2>&1 &
 pids+=($!)
 $PY -m superinfer.cli serve --port "$SPORT" --grpc-port $((SPORT + 50)) \
@@ -52,7 +54,7 @@ wait_up "http://127.0.0.1:$LPORT/v1" llama-server
 wait_up "http://127.0.0.1:$SPORT/v1" "superinfer serve"
 grep -h '"dtype_auto"\|"executor"' "$run_dir"/superinfer/*.log 2>/dev/null | tail -3 || true
 
-note="superinfer serve (default flags) vs llama-server -np 32 -c 16384, $(git rev-parse --short HEAD)"
+note="superinfer serve (default flags) vs llama-server -np 32 -c 16384 ${LLAMA_ARGS:-}, $(git rev-parse --short HEAD)"
 $PY -m superinfer.cli bench serve --base-url "http://127.0.0.1:$SPORT/v1" \
     --baseline-url "http://127.0.0.1:$LPORT/v1" --baseline-label llama-server \
     --tokenizer bundled --note "$note" \
