@@ -41,6 +41,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     dtype: str = "auto"
     kv_dtype: str = "auto"
+    device: str = "auto"  # the worker's: auto (CUDA when torch sees it), cpu or cuda
     policy: str = "lvf"
     alpha: float = 3.0
     beta_b: float = 0.0
@@ -78,6 +79,8 @@ class EngineConfig:
         if self.kv_dtype not in KV_DTYPE_NAMES:
             raise ValueError(
                 f"--kv-dtype must be one of {', '.join(KV_DTYPE_NAMES)}, got {self.kv_dtype}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if not self.alpha > 0:
             raise ValueError(f"--alpha must be positive, got {self.alpha}")
         for flag, v in (("--beta-b", self.beta_b), ("--beta-f", self.beta_f)):
@@ -120,6 +123,9 @@ class EngineConfig:
                             "int8, int4, gguf (the file's own quantized blocks)")
         g.add_argument("--kv-dtype", default="auto", choices=list(KV_DTYPE_NAMES),
                        help="KV cache dtype (auto: float32 with --dtype float32, else bfloat16)")
+        g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                       help="where the worker computes and keeps its KV pool (auto: the GPU "
+                            "when torch sees one; there --dtype auto is bfloat16)")
         s = p.add_argument_group("scheduling (RotaSched)")
         s.add_argument("--policy", default="lvf", choices=list(POLICY_NAMES))
         s.add_argument("--alpha", type=float, default=3.0)

@@ -119,6 +119,17 @@ class EngineCore:
         # Plans some of whose copies may not have happened: a step failed while they ran,
         # or before they could start. Recovery treats their writes as lost.
         self._unsure: list[TransferPlan] = []
+        self._landed: list[RequestEvent] = []
+
+    def take_landed(self) -> list[RequestEvent]:
+        """The tokens that landed since the last call. A step or drain that fails after a
+        batch's output landed still returns them here: the requests hold those tokens, so
+        their streams must get them before recovery."""
+        out, self._landed = self._landed, []
+        return out
+
+    def _land(self, out: SchedulerOutput, result: ExecuteResult) -> None:
+        self._landed += self.scheduler.update_from_output(out, result)
 
     def take_unsure(self) -> list[TransferPlan]:
         """The plans whose copies a failed step left in doubt (and forget them)."""
@@ -165,9 +176,9 @@ class EngineCore:
             result = await self.executor.execute(out.iteration, out.chunks)
             called = self.timer() - t0
             self._executed(result, called, called)
-        events = sched.update_from_output(out, result or ExecuteResult(sampled={}))
+        self._land(out, result or ExecuteResult(sampled={}))
         self._trace(out, start, span, moved, result)
-        return StepResult(out, events, moved, result)
+        return StepResult(out, self.take_landed(), moved, result)
 
     # -- pipelined ----------------------------------------------------------------------------
     async def _pipelined_step(self) -> StepResult:
@@ -206,14 +217,13 @@ class EngineCore:
         # the after-batch swap-ins fill.
         wait_for_copies = late is not None and bool(late.swap_in)
         self._batch = self._launch(out, after) if out.chunks and not wait_for_copies else None
-        events: list[RequestEvent] = []
         result: ExecuteResult | None = None
         try:
             if prev is not None:
                 t0 = self.timer()
                 result = await prev.task
                 self._executed(result, self.timer() - prev.launched, self.timer() - t0)
-                events = sched.update_from_output(prev.out, result)
+                self._land(prev.out, result)
         except BaseException:
             if late is not None and out.transfers is not None:
                 # Its after-batch copies never start.
@@ -227,7 +237,7 @@ class EngineCore:
                 await self._finish_after()  # batch t+1 reads those blocks
                 self._batch = self._launch(out, after)
         self._trace(out, start, span, moved, result, prev.out if prev is not None else None)
-        return StepResult(out, events, moved, result, in_flight=not self.idle)
+        return StepResult(out, self.take_landed(), moved, result, in_flight=not self.idle)
 
     def _launch(self, out: SchedulerOutput, after: int) -> _Batch:
         task = asyncio.create_task(self.executor.execute(out.iteration, out.chunks, after))
@@ -266,19 +276,18 @@ class EngineCore:
 
     async def drain(self) -> list[RequestEvent]:
         """Let the batch and copies in flight finish; return the tokens that landed."""
-        events: list[RequestEvent] = []
         try:
             if self._batch is not None:
                 batch, self._batch = self._batch, None
                 t0 = self.timer()
                 result = await batch.task
                 self._executed(result, self.timer() - batch.launched, self.timer() - t0)
-                events = self.scheduler.update_from_output(batch.out, result)
+                self._land(batch.out, result)
             await self._finish_after()
         except BaseException:
             await self._stop_tasks()
             raise
-        return events
+        return self.take_landed()
 
     # -- accounting ---------------------------------------------------------------------------
     async def _copy(self, plan: TransferPlan) -> TransferResult:

@@ -174,6 +174,7 @@ class ServingLoop:
                 try:
                     self._publish(await self.core.drain())
                 except Exception as e:
+                    self._publish(self.core.take_landed())
                     self._on_failure(e)
                     await asyncio.sleep(RETRY_S)
                 continue
@@ -190,9 +191,11 @@ class ServingLoop:
                     await self._recover(self._outage)
                 busy = await self.step()
             except BackendMismatch as e:
+                self._publish(self.core.take_landed())
                 self._fail_all(str(e))
                 continue
             except Exception as e:  # the loop must outlive any failed iteration
+                self._publish(self.core.take_landed())  # tokens a batch gave before it failed
                 self._on_failure(e)
                 await asyncio.sleep(RETRY_S)
                 continue

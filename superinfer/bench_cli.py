@@ -18,6 +18,8 @@ BENCHES = {
                  "decode throughput through the services vs in-process"),
     "pipeline": ("superinfer.bench.pipeline",
                  "the worker's compute share with the pipelined step and without"),
+    "gpu-worker": ("superinfer.bench.gpu_worker",
+                   "the CUDA worker: greedy vs CPU fp32, 8B-shaped decode vs roofline"),
     "serve": ("superinfer.bench.serve", "load benchmark of an OpenAI-compatible server"),
     "experiment": ("superinfer.bench.experiment",
                    "rotation policies on the real stack: rate sweep, table, plot, claim check"),

@@ -1,8 +1,20 @@
-"""Shared pytest hooks: GPU-marked tests are skipped on machines without CUDA."""
+"""Shared pytest hooks: GPU-marked tests are skipped on machines without CUDA.
+
+On a machine without an NVIDIA driver, Triton's interpreter is switched on for the whole
+run (it must be before triton is first imported), so the CUDA path's Triton kernels run on
+CPU tensors in tests (worker/cuda/kernels.py). A GPU run sets TRITON_INTERPRET=0 itself
+(scripts/gpu_check.sh), so the same tests check the compiled kernels there.
+"""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
+
+if "TRITON_INTERPRET" not in os.environ and not Path("/dev/nvidiactl").exists():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import superinfer  # noqa: F401  (OpenMP wait policy, before anything loads torch)
 

@@ -403,6 +403,42 @@ def test_loop_resumes_every_request_after_a_worker_and_a_kvmem_restart(pipelined
     run(body)
 
 
+class _FlakyKVMem(FakeKVMem):
+    """Every `every`-th copy fails (three times at most, so that the loop does not give up)
+    without touching the pools, as a refused RPC would."""
+
+    def __init__(self, store: KVStore, every: int) -> None:
+        super().__init__(store)
+        self.every, self.calls, self.failed = every, 0, 0
+
+    async def transfer(self, plan: TransferPlan, pool_id: str) -> kvmem_pb2.TransferReply:
+        self.calls += 1
+        if self.calls % self.every == 0 and self.failed < 3:
+            await asyncio.sleep(0)
+            self.failed += 1
+            raise RuntimeError("copy refused")
+        return await super().transfer(plan, pool_id)
+
+
+@pytest.mark.parametrize("every", [2, 3, 4, 5, 7])
+def test_tokens_that_landed_before_a_failed_copy_reach_their_streams(every: int) -> None:
+    """A pipelined step can take batch t's tokens and then fail on t+1's copies: the
+    requests hold those tokens, so the streams must get them before recovery."""
+    async def body() -> None:
+        loop, worker = _loop(pipelined=True)
+        loop.kvmem = kvmem = _FlakyKVMem(worker.store, every)
+        task = asyncio.create_task(loop.run())
+        prompts = [[i, i + 1, i + 2, 3 * i] for i in range(8)]
+        queues = [_submit(loop, worker, f"r{i}", p, 30) for i, p in enumerate(prompts)]
+        got = [[t for ev in await asyncio.wait_for(_drain(q), 60) for t in ev.token_ids]
+               for q in queues]
+        assert got == [_expected(p, 30) for p in prompts]
+        assert kvmem.failed > 0 and loop.stats.recoveries > 0
+        task.cancel()
+
+    run(body)
+
+
 @pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "pipelined"])
 def test_loop_gives_up_on_a_batch_that_always_fails_and_drains_on_shutdown(pipelined: bool) -> None:
     async def body() -> None:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -19,24 +21,42 @@ import torch
 from common.config import EngineConfig
 from common.contracts import PLACEHOLDER, KVShape, ScheduledChunk
 from common.daemon import Daemon, run_daemon
+from common.dtypes import DTYPE_NAMES, DTYPES
+from common.modelfile import resolve_model
 from common.shm import SegmentRecord
 from common.wire import chunk_from_proto
 from proto import scheduler_pb2, worker_pb2, worker_pb2_grpc
 from worker.batches import BatchRunner, OutOfOrder
-from worker.build import build_model
+from worker.build import BuiltModel, build_model
+from worker.cuda.device import DeviceError, resolve_device
 from worker.kv_pool import DevicePool
+from worker.loader import load_weights
 from worker.runner import ModelRunner, kv_block_bytes
+
+if TYPE_CHECKING:
+    from worker.cuda.runner import CudaModelRunner
 
 log = structlog.get_logger()
 
-# The model runner computes on the CPU; the pool follows it. A CUDA runner would pass
-# "cuda" here and DevicePool exports the pool with a CUDA IPC handle instead.
+# On the CPU the pool is a shared-memory segment; on CUDA (worker/cuda/, `--device`) the
+# pool is a GPU tensor exported with a CUDA IPC handle.
 POOL_DEVICE = "cpu"
+
+
+def cuda_dtype(requested: str) -> torch.dtype:
+    """--dtype on the CUDA worker: dense weights; auto is bfloat16, and the CPU executor's
+    quantized formats (int8, int4, gguf) run as bfloat16 there, with a warning."""
+    if requested in DTYPES:
+        return DTYPES[requested]
+    if requested != "auto":
+        log.warning("dtype_fallback", requested=requested, using="bfloat16",
+                    why="the CUDA worker runs dense weights only")
+    return torch.bfloat16
 
 
 @dataclass(slots=True)
 class Loaded:
-    runner: ModelRunner
+    runner: ModelRunner | CudaModelRunner
     pool: DevicePool
     info: scheduler_pb2.ModelInfo
     batches: BatchRunner  # one forward at a time, in the scheduler's order
@@ -53,8 +73,19 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def load(self) -> None:
         cfg = self.config
         t0 = time.perf_counter()
-        built = await asyncio.to_thread(build_model, cfg.model, cfg.dtype, cfg.kv_dtype)
-        source, mcfg, dtype = built.source, built.model.cfg, built.kv_dtype
+        device = resolve_device(cfg.device)
+        built: BuiltModel | None = None
+        if device == "cpu":  # the CPU executor: its format by --dtype (worker/formats.py)
+            built = await asyncio.to_thread(build_model, cfg.model, cfg.dtype, cfg.kv_dtype)
+            source, mcfg, dtype, fmt = built.source, built.model.cfg, built.kv_dtype, built.weights
+            weights: dict[str, torch.Tensor] = {}
+        elif device == "cuda":
+            dtype = cuda_dtype(cfg.dtype)
+            source = resolve_model(cfg.model)
+            mcfg, weights = await asyncio.to_thread(load_weights, source.path, source.kind, dtype)
+            fmt = DTYPE_NAMES[dtype]
+        else:
+            raise DeviceError(f"no executor for device {device!r}")
         num_blocks, _ = cfg.blocks_for(kv_block_bytes(mcfg, cfg.block_size, dtype))
         shape = KVShape(num_blocks, mcfg.num_layers, cfg.block_size, mcfg.num_kv_heads,
                         mcfg.head_dim)
@@ -65,8 +96,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                             why="left in /dev/shm by a worker that was killed")
         # Nothing may fail between making the pool and recording it (stop() unlinks it).
         # A stop during the load above cancels this coroutine there: no pool is made.
-        pool = DevicePool.create(shape.shape, dtype, POOL_DEVICE)
-        runner = ModelRunner(built.model, pool.tensor, cfg.block_size, built.weights)
+        runner: ModelRunner | CudaModelRunner
+        if built is not None:
+            pool = DevicePool.create(shape.shape, dtype, POOL_DEVICE)
+            runner = ModelRunner(built.model, pool.tensor, cfg.block_size, built.weights)
+        else:
+            from worker.cuda.setup import load_cuda  # Triton loads only on this path
+
+            runner, pool = await asyncio.to_thread(load_cuda, mcfg, weights, shape.shape,
+                                                   dtype, cfg)
         info = scheduler_pb2.ModelInfo(
             name=source.name,
             max_model_len=mcfg.max_position,
@@ -76,7 +114,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             head_dim=mcfg.head_dim,
             block_size=cfg.block_size,
             # the executor format (its KV cache matches it: scheduler_svc model_identity)
-            dtype=built.weights,
+            dtype=fmt,
             source_kind=source.kind,
             source_path=str(source.path),
         )
@@ -84,7 +122,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         handle = pool.handle()
         if self.segments is not None and handle.shm_name:
             self.segments.add(handle.shm_name)
-        log.info("loaded", model=source.name, weights=built.weights, device_blocks=num_blocks,
+        log.info("loaded", model=source.name, weights=fmt, device=device, device_blocks=num_blocks,
                  pool_gib=round(handle.nbytes / 2**30, 3), pool_id=pool.pool_id,
                  pool=handle.shm_name or handle.kind, load_s=round(time.perf_counter() - t0, 2))
 
@@ -183,4 +221,9 @@ class WorkerDaemon(Daemon):
 
 
 def main(args: argparse.Namespace) -> int:
+    try:  # a device that is not there is one line, not a traceback in the log
+        resolve_device(getattr(args, "device", "auto"))
+    except DeviceError as e:
+        print(f"superinfer worker: {e}", file=sys.stderr)
+        return 2
     return run_daemon(WorkerDaemon(args), args)

@@ -80,14 +80,18 @@ class Shape:
 SHAPES = [
     Shape("qwen2.5-32b", 64, 8, 128, torch.bfloat16, default_blocks=96),
     Shape("smollm2-135m", 30, 3, 64, torch.float32, default_blocks=546),
+    # Llama-3-8B's KV, 2 MiB blocks: the GPU check's second shape (not in the default run).
+    Shape("llama-3-8b", 32, 8, 128, torch.bfloat16, default_blocks=192),
 ]
+DEFAULT_SHAPES = "qwen2.5-32b,smollm2-135m"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blocks", type=int, default=None,
                    help="blocks moved per plan (default: ~512 MiB worth per shape)")
     p.add_argument("--repeats", type=int, default=5, help="timed passes of every mode")
-    p.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
+    p.add_argument("--shapes", default=DEFAULT_SHAPES,
+                   help=f"of {', '.join(s.name for s in SHAPES)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nt-threshold", default=NT_THRESHOLD, metavar="BYTES",
                    help=f"measure with GLIBC_TUNABLES={NT_KEY}=BYTES (in a child process): "
