@@ -4,9 +4,15 @@ The pool is kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]. A
 row t attends to positions [0, ctx[t]) of the sequence whose block table is
 tables[qrow[t]]: one description for decode rows (ctx = position + 1) and for prefill
 chunks with a cached prefix (each row its own causal limit). The C++ kernel
-(csrc/attention.cpp) walks the block table and reads K/V where they lie. A fresh prompt
-chunk (start 0, at least `SDPA_MIN_LEN` tokens) instead goes through SDPA on its own K/V:
-a blocked GEMM, faster for long prompts.
+(csrc/attention.cpp) walks the block table and reads K/V where they lie, one (row, KV
+head) at a time in a fixed order: a row's result does not depend on the batch, on how its
+prompt was chunked, or on whether it is a decode step or a recompute. That is what makes
+a recomputed request (fcfs preemption, a worker restart) continue exactly as it would
+have, in every format. `build_meta(..., sdpa_fresh=True)` instead sends fresh prompt
+chunks (start 0, at least `SDPA_MIN_LEN` tokens) through SDPA on their own fp32 K/V: a
+blocked GEMM, faster for long prompts, but it rounds differently from the pool's copy
+(bf16 with quantized weights), so a recompute could drift from the original decode; it is
+off by default (`SDPA_FRESH`).
 
 `TorchAttention` is the path without the C++ kernels: per layer one index_select gather of
 every chunk's blocks, masks built once per batch.
@@ -23,7 +29,8 @@ import torch.nn.functional as F
 
 from common.contracts import ScheduledChunk
 
-SDPA_MIN_LEN = 16  # fresh chunks shorter than this attend through the pool like the rest
+SDPA_FRESH = False  # see the module docstring: exactness across recompute first
+SDPA_MIN_LEN = 16  # with sdpa_fresh, fresh chunks shorter than this attend through the pool
 
 
 @dataclass(slots=True)
@@ -46,7 +53,7 @@ class PagedMeta:
         return int(self.input_ids.shape[0])
 
 
-def build_meta(chunks: Sequence[ScheduledChunk], block_size: int, sdpa_fresh: bool = True,
+def build_meta(chunks: Sequence[ScheduledChunk], block_size: int, sdpa_fresh: bool = SDPA_FRESH,
                all_logits: bool = False) -> PagedMeta:
     """Vectorized batch description (numpy; no per-token Python loop). `all_logits`:
     every row's logits (perplexity), not only the sampled rows'."""
