@@ -43,13 +43,19 @@ class EngineConfig:
     kv_dtype: str = "auto"
     device: str = "auto"  # the worker's: auto (CUDA when torch sees it), cpu or cuda
     policy: str = "lvf"
-    alpha: float = 3.0
+    alpha: float = 0.3
     beta_b: float = 0.0
-    beta_f: float = 0.5
+    beta_f: float = 0.0
     xfer_budget_blocks: int | None = None  # B_xfer; None = unlimited
     min_residency: int = 32  # iterations; measured in the simulator (docs/sim)
     vlt_margin: float = 0.0
     hold_vlt: float | None = -0.5  # LVF stops skipping a new request once its VLT reaches this
+    # Iteration-time-aware admission: an iteration may take this share of the tightest TBT
+    # SLO (None: the policy's default, LVF 0.9 and the baselines none; 0: off) ...
+    iteration_budget: float | None = None
+    # ... with decode seats counted so that new prompts are prefilled within this share
+    # of their TTFT SLO.
+    prefill_within: float = 0.5
     eager_budget_blocks: int = 32
     # Automatic prefix caching (vLLM's flag): requests share the KV of full blocks whose
     # tokens (and all before them) match; freed ones stay cached on the device and, through
@@ -86,6 +92,11 @@ class EngineConfig:
         for flag, v in (("--beta-b", self.beta_b), ("--beta-f", self.beta_f)):
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"{flag} must be in [0, 1], got {v}")
+        if self.iteration_budget is not None and not 0.0 <= self.iteration_budget <= 1.0:
+            raise ValueError(f"--iteration-budget must be in [0, 1] (0: off), got "
+                             f"{self.iteration_budget}")
+        if not 0.0 < self.prefill_within <= 1.0:
+            raise ValueError(f"--prefill-within must be in (0, 1], got {self.prefill_within}")
         for flag, v in (("--ttft-slo", self.ttft_slo), ("--tbt-slo", self.tbt_slo)):
             if not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{flag} must be a positive number of seconds, got {v}")
@@ -128,9 +139,9 @@ class EngineConfig:
                             "when torch sees one; there --dtype auto is bfloat16)")
         s = p.add_argument_group("scheduling (RotaSched)")
         s.add_argument("--policy", default="lvf", choices=list(POLICY_NAMES))
-        s.add_argument("--alpha", type=float, default=3.0)
+        s.add_argument("--alpha", type=float, default=0.3)
         s.add_argument("--beta-b", type=float, default=0.0)
-        s.add_argument("--beta-f", type=float, default=0.5)
+        s.add_argument("--beta-f", type=float, default=0.0)
         s.add_argument("--xfer-budget-blocks", type=int, default=None, help="B_xfer")
         s.add_argument("--min-residency", type=int, default=32,
                        help="iterations a (re)admitted request is safe from rotation")
@@ -138,6 +149,13 @@ class EngineConfig:
         s.add_argument("--hold-vlt", type=_optional_float, default=-0.5,
                        help="LVF: a new request whose VLT reaches this is no longer skipped "
                             "when it does not fit (anti-starvation; 'none': always skip)")
+        s.add_argument("--iteration-budget", type=_optional_float, default=None,
+                       help="share of the tightest TBT SLO an iteration may take, from the "
+                            "executor's measured times (default: the policy's, 0.9 for lvf and "
+                            "none for the baselines; 0: off)")
+        s.add_argument("--prefill-within", type=float, default=0.5,
+                       help="decode seats leave room to prefill new prompts within this share "
+                            "of their TTFT SLO (with --iteration-budget)")
         s.add_argument("--eager-budget-blocks", type=int, default=32)
         s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=True,

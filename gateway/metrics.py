@@ -30,6 +30,7 @@ from prometheus_client import (
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     Metric,
     UnknownMetricFamily,
 )
@@ -53,7 +54,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
-COUNTER, GAUGE = "counter", "gauge"
+COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,12 @@ class Series:
     @property
     def sample_name(self) -> str:
         return self.name + "_total" if self.kind == COUNTER else self.name
+
+
+def series_key(flat_key: str) -> str:
+    """The statistic a GetStats key belongs to: a histogram travels flattened as
+    `<key>:bucket:<le>`, `<key>:sum` and `<key>:count` (scheduler_svc/slo_attribution.py)."""
+    return flat_key.split(":", 1)[0]
 
 
 def _counter(name: str, help: str, **labels: str) -> Series:
@@ -85,6 +92,16 @@ _LOSSES = "A peer came back with a new pool: tier device = a new worker, host = 
 _RESUMED = "Requests resumed after a pool loss: from host copies (swap_in) or by recompute"
 _TTFT = "Finished requests by whether their first token came within their TTFT SLO"
 _TBT = "Gaps between a request's consecutive tokens by whether they were within its TBT SLO"
+_MISS = ("Seconds each request that missed an SLO spent in each phase of the missed intervals: "
+         "slo=ttft its TTFT, slo=tbt its gaps longer than its TBT SLO; phase waiting (queued, "
+         "no KV on the device), rotary (parked in host memory), computing (on the device, the "
+         "worker busy), transfer (on the device, the worker idle for its KV copies)")
+_PHASES = ("waiting", "rotary", "computing", "transfer")
+
+
+def _miss(slo: str, phase: str) -> Series:
+    return Series("superinfer_slo_miss_phase_seconds", HISTOGRAM, _MISS,
+                  (("slo", slo), ("phase", phase)))
 _PC_Q = ("Prompt tokens looked up in the prefix cache at admission, per tier (host: the "
          "tokens the device tier missed)")
 _PC_H = "Prompt tokens served from the prefix cache, per tier (host: copied in, not recomputed)"
@@ -133,6 +150,8 @@ SCHEDULER_SERIES: dict[str, Series] = {
                                 "after-batch copies run beside the next batch)"),
     "transfer_wait_max_s": _gauge(_S + "transfer_wait_max_seconds",
                                   "Longest time one iteration waited on its transfers"),
+    "transfer_stall_s": _counter(_S + "transfer_stall_seconds",
+                                 "Time the worker sat idle before a batch for its KV copies"),
     "bytes_d2h": _counter(_S + "transfer_bytes", _BYTES, direction="d2h"),
     "bytes_h2d": _counter(_S + "transfer_bytes", _BYTES, direction="h2d"),
     "kvmem_d2h_s": _counter(_S + "kvmem_copy_seconds", _COPY, direction="d2h"),
@@ -144,6 +163,8 @@ SCHEDULER_SERIES: dict[str, Series] = {
     "slo_ttft_missed": _counter("superinfer_slo_ttft_requests", _TTFT, outcome="missed"),
     "slo_tbt_met": _counter("superinfer_slo_tbt_gaps", _TBT, outcome="met"),
     "slo_tbt_missed": _counter("superinfer_slo_tbt_gaps", _TBT, outcome="missed"),
+    **{f"slo_miss_{slo}_{phase}_s": _miss(slo, phase) for slo in ("ttft", "tbt")
+       for phase in _PHASES},
     # outages of the worker or kvmem (DESIGN 6)
     "backend_errors": _counter(_S + "backend_errors", "Iterations that failed"),
     "recoveries": _counter(_S + "recoveries",
@@ -254,13 +275,18 @@ def scheduler_families(counters: dict[str, float]) -> Iterator[Metric]:
     """StatsReply.counters as typed families; keys this gateway does not know (a newer
     scheduler) come out untyped rather than guessed."""
     families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
+    hists: dict[str, HistogramMetricFamily] = {}
     unknown: list[Metric] = []
+    histograms: dict[str, dict[str, float]] = {}
     for key in sorted(counters):
-        series = SCHEDULER_SERIES.get(key)
+        series = SCHEDULER_SERIES.get(series_key(key))
         if series is None:
             unknown.append(UnknownMetricFamily(
                 _S + _metric_name(key), f"Scheduler statistic {key!r} (unknown to this gateway)",
                 value=counters[key]))
+            continue
+        if series.kind == HISTOGRAM:
+            histograms.setdefault(series_key(key), {})[key.partition(":")[2]] = counters[key]
             continue
         fam = families.get(series.name)
         if fam is None:
@@ -268,7 +294,17 @@ def scheduler_families(counters: dict[str, float]) -> Iterator[Metric]:
             fam = families[series.name] = cls(series.name, series.help,
                                               labels=[k for k, _ in series.labels])
         fam.add_metric([v for _, v in series.labels], counters[key])
+    for key, parts in histograms.items():
+        series = SCHEDULER_SERIES[key]
+        hist = hists.get(series.name)
+        if hist is None:
+            hist = hists[series.name] = HistogramMetricFamily(
+                series.name, series.help, labels=[k for k, _ in series.labels])
+        buckets = sorted(((k.split(":", 1)[1], v) for k, v in parts.items()
+                          if k.startswith("bucket:")), key=lambda kv: float(kv[0]))
+        hist.add_metric([v for _, v in series.labels], buckets, parts.get("sum", 0.0))
     yield from families.values()
+    yield from hists.values()
     yield from unknown
 
 

@@ -48,6 +48,7 @@ class EngineStats:
     transfer_s: float = 0.0  # wall time of transfer calls (RPC included in the service)
     transfer_wait_s: float = 0.0  # time the step itself waited on transfers
     transfer_wait_max_s: float = 0.0  # the longest one iteration waited on its transfers
+    transfer_stall_s: float = 0.0  # ... of which the worker sat idle (nothing else to run)
     kvmem_d2h_s: float = 0.0  # the transfer engine's own busy time per direction
     kvmem_h2d_s: float = 0.0
     bytes_d2h: int = 0
@@ -119,6 +120,10 @@ class EngineCore:
         # Plans some of whose copies may not have happened: a step failed while they ran,
         # or before they could start. Recovery treats their writes as lost.
         self._unsure: list[TransferPlan] = []
+        # Worker idle since (timer; None: busy or never ran) and this step's transfer waits,
+        # to charge a batch's requests with the idle time their copies caused.
+        self._idle_since: float | None = None
+        self._step_wait = 0.0
         self._landed: list[RequestEvent] = []
 
     def take_landed(self) -> list[RequestEvent]:
@@ -172,10 +177,12 @@ class EngineCore:
             span = (t_start, self._waited(t0))
         result: ExecuteResult | None = None
         if out.chunks:
+            self._charge_stall(out, worker_busy=False)
             t0 = self.timer()
             result = await self.executor.execute(out.iteration, out.chunks)
             called = self.timer() - t0
             self._executed(result, called, called)
+            self._idle_since = self.timer()
         self._land(out, result or ExecuteResult(sampled={}))
         self._trace(out, start, span, moved, result)
         return StepResult(out, self.take_landed(), moved, result)
@@ -216,7 +223,9 @@ class EngineCore:
         # Batch t+1 queues behind t on the worker at once, unless it reads blocks that only
         # the after-batch swap-ins fill.
         wait_for_copies = late is not None and bool(late.swap_in)
-        self._batch = self._launch(out, after) if out.chunks and not wait_for_copies else None
+        busy = prev is not None and not prev.task.done()
+        self._batch = (self._launch(out, after, busy) if out.chunks and not wait_for_copies
+                       else None)
         result: ExecuteResult | None = None
         try:
             if prev is not None:
@@ -235,13 +244,30 @@ class EngineCore:
             self._after = _Copies(out.transfers, task, sched.clock())
             if wait_for_copies and out.chunks:
                 await self._finish_after()  # batch t+1 reads those blocks
-                self._batch = self._launch(out, after)
+                self._batch = self._launch(out, after, False)
         self._trace(out, start, span, moved, result, prev.out if prev is not None else None)
         return StepResult(out, self.take_landed(), moved, result, in_flight=not self.idle)
 
-    def _launch(self, out: SchedulerOutput, after: int) -> _Batch:
+    def _launch(self, out: SchedulerOutput, after: int, worker_busy: bool) -> _Batch:
+        self._charge_stall(out, worker_busy)
         task = asyncio.create_task(self.executor.execute(out.iteration, out.chunks, after))
+        task.add_done_callback(self._batch_done)
         return _Batch(out, task, self.timer())
+
+    def _batch_done(self, task: asyncio.Task[ExecuteResult]) -> None:
+        self._idle_since = self.timer()
+
+    def _charge_stall(self, out: SchedulerOutput, worker_busy: bool) -> None:
+        """A batch is sent: the worker idled before it for as long as it waited, up to this
+        step's waits on copies; charge that to the batch's requests (SLO attribution)."""
+        waited, self._step_wait = self._step_wait, 0.0
+        since = self._idle_since
+        if worker_busy or since is None or waited <= 0.0:
+            return
+        stall = min(waited, max(0.0, self.timer() - since))
+        if stall > 0.0:
+            self.stats.transfer_stall_s += stall
+            self.scheduler.charge_transfer_stall(out, stall)
 
     async def _finish_after(self) -> None:
         copies = self._after
@@ -305,6 +331,7 @@ class EngineCore:
     def _waited(self, since: float) -> float:
         """The step waited on transfers from `since` (timer) until now; returns how long."""
         seconds = self.timer() - since
+        self._step_wait += seconds
         self.stats.transfer_wait_s += seconds
         self.stats.transfer_wait_max_s = max(self.stats.transfer_wait_max_s, seconds)
         return seconds

@@ -30,6 +30,7 @@ from scheduler_svc.remote import RemoteKVMem, RemoteWorker
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import RequestEvent, Scheduler
 from scheduler_svc.setup import model_identity
+from scheduler_svc.slo_attribution import MissHistograms
 from scheduler_svc.trace import Trace
 
 log = structlog.get_logger()
@@ -72,10 +73,14 @@ class LoopStats:
     slo_tbt_met: int = 0  # gaps between consecutive tokens within the request's S_F
     slo_tbt_missed: int = 0
     started: float = field(default_factory=time.monotonic)
+    # Where the missed TTFTs and gaps spent their time (slo_attribution.py).
+    slo_miss: MissHistograms = field(default_factory=MissHistograms)
 
     def as_dict(self) -> dict[str, float]:
-        d = {f.name: float(getattr(self, f.name)) for f in fields(self) if f.name != "started"}
+        d = {f.name: float(getattr(self, f.name)) for f in fields(self)
+             if f.name not in ("started", "slo_miss")}
         d["uptime_s"] = time.monotonic() - self.started
+        d.update(self.slo_miss.as_dict())
         return d
 
     def count_slo(self, req: Request, now: float) -> None:
@@ -84,17 +89,21 @@ class LoopStats:
         A request that ended before its first token counts as a TTFT miss only once its
         budget had run out: a client that gives up after 0.1 s says nothing about S_B.
         """
+        missed = False
         if req.first_token_time is not None:
             if req.first_token_time - req.arrival_time <= req.slo.ttft_s:
                 self.slo_ttft_met += 1
             else:
                 self.slo_ttft_missed += 1
+                missed = True
         elif now - req.arrival_time > req.slo.ttft_s:
             self.slo_ttft_missed += 1
+            missed = True
+        self.slo_miss.observe(req, missed, now)
         t = req.token_times
-        missed = sum(1 for a, b in zip(t, t[1:], strict=False) if b - a > req.slo.tbt_s)
-        self.slo_tbt_missed += missed
-        self.slo_tbt_met += max(len(t) - 1, 0) - missed
+        gaps = sum(1 for a, b in zip(t, t[1:], strict=False) if b - a > req.slo.tbt_s)
+        self.slo_tbt_missed += gaps
+        self.slo_tbt_met += max(len(t) - 1, 0) - gaps
 
 
 @dataclass(slots=True)

@@ -8,6 +8,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+# Where a request's time goes, for SLO-miss attribution: queued with no KV on the device
+# (waiting: before admission, or to recompute), parked in host memory (rotary), on the
+# device with the worker busy on its batches (computing: its own tokens, or a batch made
+# long by others'), or on the device with the worker idle for its KV copies (transfer).
+PHASES = ("waiting", "rotary", "computing", "transfer")
+
 
 class RequestState(enum.Enum):
     WAITING = "waiting"  # no KV anywhere usable; (re)computes from scratch when admitted
@@ -107,8 +113,19 @@ class Request:
     time_in_state: dict[str, float] = field(default_factory=dict)
     _state_since: float = 0.0
 
+    # SLO-miss attribution (PHASES): where the time of the interval since the last token
+    # (since arrival, before the first) went, and the totals over the intervals that
+    # missed: the TTFT interval when it took longer than S_B, every gap longer than S_F.
+    transfer_stall_s: float = 0.0  # the worker idled for this request's copies
+    ttft_phases: dict[str, float] | None = None  # set at the first token
+    missed_gap_phases: dict[str, float] = field(default_factory=dict)
+    num_missed_gaps: int = 0
+    _open: dict[str, float] = field(default_factory=dict)  # state -> s, this interval
+    _open_stall: float = 0.0
+    _mark: float = 0.0
+
     def __post_init__(self) -> None:
-        self._state_since = self.arrival_time
+        self._state_since = self._mark = self.arrival_time
         self.transitions.append((self.arrival_time, self.state.value))
 
     # -- token accounting ---------------------------------------------------------------
@@ -162,6 +179,7 @@ class Request:
         spent = max(0.0, now - self._state_since)
         key = self.state.value
         self.time_in_state[key] = self.time_in_state.get(key, 0.0) + spent
+        self._account(now)
         self.state = state
         self._state_since = now
         self.transitions.append((now, state.value))
@@ -171,10 +189,51 @@ class Request:
         if self.num_placeholders:
             self.num_placeholders -= 1
         self.output_token_ids.append(token_id)
+        self._account(now)
+        phases = self._close_interval()
         if self.first_token_time is None:
             self.first_token_time = now
+            self.ttft_phases = phases
+        elif self.last_token_time is not None and now - self.last_token_time > self.slo.tbt_s:
+            self.num_missed_gaps += 1
+            missed = self.missed_gap_phases
+            for k, v in phases.items():
+                missed[k] = missed.get(k, 0.0) + v
         self.last_token_time = now
         self.token_times.append(now)
+
+    def charge_transfer_stall(self, seconds: float) -> None:
+        """The worker idled `seconds` before a batch of this request, for its copies."""
+        self.transfer_stall_s += seconds
+        self._open_stall += seconds
+
+    def _account(self, now: float) -> None:
+        seg = now - self._mark
+        if seg > 0.0:
+            key = self.state.value
+            self._open[key] = self._open.get(key, 0.0) + seg
+            self._mark = now
+
+    def _phases(self, o: dict[str, float]) -> dict[str, float]:
+        running = o.get("running", 0.0)
+        stall = min(self._open_stall, running)
+        return {"waiting": o.get("waiting", 0.0), "rotary": o.get("rotary", 0.0),
+                "computing": running - stall, "transfer": stall}
+
+    def _close_interval(self) -> dict[str, float]:
+        """The open interval's time by phase (see PHASES), and start the next one."""
+        phases = self._phases(self._open)
+        self._open = {}
+        self._open_stall = 0.0
+        return phases
+
+    def open_phases(self, now: float) -> dict[str, float]:
+        """The interval since the last token (or arrival) up to `now`, by phase: for a
+        request that never got its first token."""
+        o = dict(self._open)
+        if self.state is not RequestState.FINISHED and now > self._mark:
+            o[self.state.value] = o.get(self.state.value, 0.0) + now - self._mark
+        return self._phases(o)
 
     def check_stop(self) -> FinishReason | None:
         """Finish reason after the last appended token, if any (stop strings live upstream)."""
@@ -211,7 +270,11 @@ class Request:
             "time_waiting_s": times.get("waiting", 0.0),
             "time_rotary_s": times.get("rotary", 0.0),
             "time_running_s": times.get("running", 0.0),
+            "transfer_stall_s": self.transfer_stall_s,
             "slo_miss_cause": slo_miss_cause(self, ttft, gaps),
+            "ttft_phases_s": self.ttft_phases,
+            "missed_gaps": self.num_missed_gaps,
+            "missed_gap_phases_s": self.missed_gap_phases,
         }
 
 

@@ -25,6 +25,7 @@ from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.interfaces import SchedulerOutput
 from scheduler_svc.policy import Policy, Unservable
 from scheduler_svc.policy.base import arrival_order
+from scheduler_svc.policy.iteration_cost import IterationCost, seqs_within, tokens_within
 from scheduler_svc.prefix_cache import PrefixHit
 from scheduler_svc.queue import Entry, RequestQueue
 from scheduler_svc.request import FinishReason, Request, RequestState
@@ -108,6 +109,10 @@ class _Plan:
     into: list[str] = field(default_factory=list)
     recomputed: list[str] = field(default_factory=list)
     displaced: set[str] = field(default_factory=set)  # preempted this iteration
+    reserve: int = 0  # free device blocks admission leaves for running requests to grow
+    # Per victim, for this iteration's admission walk (it asks about the same victims for
+    # candidate after candidate): (blocks a rotate-out copies, device blocks it holds).
+    victim_blocks: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -116,10 +121,16 @@ class Scheduler:
         config: SchedulerConfig,
         policy: Policy,
         clock: Callable[[], float] = time.monotonic,
+        cost: IterationCost | None = None,
     ) -> None:
         self.config = config
         self.policy = policy
         self.clock = clock
+        # The executor's time per batch shape, for policies that keep iterations under a
+        # time target (iteration-time-aware admission); None: token budget only.
+        self.cost = cost
+        self._seat_limit = config.max_num_seqs
+        self._tbt_slos: dict[float, int] = {}  # S_F of the live requests -> how many
         self.bm = BlockManager(config.num_device_blocks, config.num_host_blocks, config.block_size,
                                same_iteration_reuse=not config.pipelined,
                                prefix_caching=config.enable_prefix_caching,
@@ -157,6 +168,7 @@ class Scheduler:
             )
         self.requests[req.request_id] = req
         self._blocks_needed += self._next_token_blocks(req)
+        self._tbt_slos[req.slo.tbt_s] = self._tbt_slos.get(req.slo.tbt_s, 0) + 1
         self.waiting.append(req)
 
     def abort(self, request_id: str) -> bool:
@@ -191,6 +203,11 @@ class Scheduler:
             queue.discard(req)
         self.bm.free(req)
         self._blocks_needed -= self._next_token_blocks(req)
+        left = self._tbt_slos[req.slo.tbt_s] - 1
+        if left:
+            self._tbt_slos[req.slo.tbt_s] = left
+        else:
+            del self._tbt_slos[req.slo.tbt_s]
         req.finish_reason = reason
         req.set_state(RequestState.FINISHED, now)
         del self.requests[req.request_id]
@@ -203,8 +220,36 @@ class Scheduler:
         self.bm.complete(fence)
 
     def everything_fits(self) -> bool:
-        """Would every live request, with its next token, fit in device memory at once?"""
-        return self._blocks_needed <= self.config.num_device_blocks
+        """Would every live request, with its next token, fit on the device at once: in
+        its memory, and in the seats (max_num_seqs, or fewer where iterations must stay
+        under a time target)?"""
+        return (self._blocks_needed <= self.config.num_device_blocks
+                and len(self.requests) <= self._seat_limit)
+
+    def _time_budget(self) -> int:
+        """This iteration's token budget; sets the seat limit. With a time target from the
+        policy and a cost model: the tokens whose iteration stays under the target, and
+        seats for the decodes that leave the policy's share of it to prefill."""
+        cfg, cost = self.config, self.cost
+        self._seat_limit = cfg.max_num_seqs
+        if cost is None or not cost.ready or not self._tbt_slos:
+            return cfg.max_batched_tokens
+        target = self.policy.iteration_target_s(min(self._tbt_slos))
+        if target is None:
+            return cfg.max_batched_tokens
+        running = self.running
+        context = sum(r.num_tokens for r in running)
+        if cost.seconds(1, 1, 1) > target / 2:
+            # The executor's fixed cost per batch alone takes half the target: fewer requests
+            # per batch would cost throughput and win no gap (measured on the CPU stack).
+            return cfg.max_batched_tokens
+        budget = tokens_within(cost, target, len(running), context, cfg.max_batched_tokens)
+        per_seq = context / len(running) if running else 0.0
+        demand = self.policy.prefill_demand(self.waiting.groups(), self.clock())
+        reserve = min(budget // 2, int(demand * target))
+        self._seat_limit = max(1, seqs_within(cost, target, per_seq, cfg.max_num_seqs,
+                                              reserve))
+        return max(1, budget)
 
     def _next_token_blocks(self, req: Request) -> int:
         """blocks_for(num_tokens + 1): the request's KV with its next token."""
@@ -213,7 +258,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
         self.iteration += 1
-        plan = _Plan(now=self.clock(), budget=self.config.max_batched_tokens)
+        plan = _Plan(now=self.clock(), budget=self._time_budget())
         self.bm.begin_iteration()
         fcfs_mode = self.policy.plain_fcfs(self.everything_fits())
 
@@ -309,7 +354,8 @@ class Scheduler:
         if fcfs_mode:
             queue = arrival_order(self.rotary.list() + self.waiting.list())
         else:
-            queue = _merge(self.waiting.groups() + self.rotary.groups(), policy.merge_key, plan.now)
+            runs = policy.candidate_runs(self.waiting.groups() + self.rotary.groups(), plan.now)
+            queue = _merge(runs, policy.merge_key, plan.now)
         victims = [
             r
             for r in reversed(order)
@@ -318,6 +364,7 @@ class Scheduler:
         ]
         cap = limits.xfer_budget_blocks
         bs = self.config.block_size
+        plan.reserve = 0 if fcfs_mode else policy.growth_reserve_blocks(len(self.running), bs)
         free_only = False
         room_waiting = room_rotary = 0  # free blocks, while free_only
         for q in queue:
@@ -332,7 +379,7 @@ class Scheduler:
                 break
             # With every seat taken, a candidate must displace someone (LVF may; FCFS-like
             # policies wait for a seat to free up).
-            need_seat = len(self.running) >= self.config.max_num_seqs
+            need_seat = len(self.running) >= self._seat_limit
             if need_seat and (fcfs_mode or not victims):
                 break
             if q.request_id in plan.displaced:
@@ -349,7 +396,7 @@ class Scheduler:
             if free_only:  # nobody may be preempted any more: only free blocks serve
                 if need_seat:
                     break
-                if need > self._room(swaps_in):
+                if need > self._room(swaps_in, plan.reserve):
                     continue
                 chosen: list[Request] | None = []
             elif fcfs_mode:
@@ -366,13 +413,14 @@ class Scheduler:
                 if self._free_below_least(plan):
                     break
                 free_only = True
-                room_waiting, room_rotary = self._room(False), self._room(True)
+                room_waiting = self._room(False, plan.reserve)
+                room_rotary = self._room(True, plan.reserve)
                 continue
             for v in chosen:
                 self._preempt(v, plan)
             n, need, cost = bm.admission(q, plan.budget)
-            if (need > self._room(rotary or cost > 0) or n <= 0
-                    or len(self.running) >= self.config.max_num_seqs):
+            if (need > self._room(rotary or cost > 0, plan.reserve) or n <= 0
+                    or len(self.running) >= self._seat_limit):
                 break
             plan.xfer_used += cost
             if rotary:
@@ -392,7 +440,8 @@ class Scheduler:
             if free_only:
                 if self._free_below_least(plan):
                     break
-                room_waiting, room_rotary = self._room(False), self._room(True)
+                room_waiting = self._room(False, plan.reserve)
+                room_rotary = self._room(True, plan.reserve)
 
     def _count_prefix_hit(self, req: Request, hit: PrefixHit) -> None:
         """A waiting request was admitted onto a cached prefix (maybe empty): count it."""
@@ -415,17 +464,18 @@ class Scheduler:
     def _free_below_least(self, plan: _Plan) -> bool:
         """Are the free blocks fewer than the smallest candidate needs? Then walking the
         rest of thousands of candidates would serve nobody."""
-        free = self.bm.num_free_for_compute
+        free = self.bm.num_free_for_compute - plan.reserve
         if free <= 0:
             return True
         sizes = [n for n in (self.waiting.min_tokens(), self.rotary.min_tokens()) if n]
         # The least any candidate can need: its whole context, or a budget-sized chunk.
         return free < self.bm.blocks_for(min([*sizes, plan.budget]))
 
-    def _room(self, for_swap_in: bool) -> int:
+    def _room(self, for_swap_in: bool, reserve: int = 0) -> int:
         # A swap-in's H2D copy may not target blocks that a D2H copy of this very iteration
         # still reads; compute may (it writes after the transfers complete).
-        return self.bm.num_free_for_swap_in if for_swap_in else self.bm.num_free_for_compute
+        free = self.bm.num_free_for_swap_in if for_swap_in else self.bm.num_free_for_compute
+        return free - reserve
 
     def _pick_victims(
         self,
@@ -444,7 +494,7 @@ class Scheduler:
         """
         bm, policy = self.bm, self.policy
         cap = policy.limits.xfer_budget_blocks
-        room, moved = self._room(rotary), plan.xfer_used + cost
+        room, moved = self._room(rotary, plan.reserve), plan.xfer_used + cost
         chosen: list[Request] = []
         for v in victims:
             if need <= room and (chosen or not need_seat):
@@ -454,7 +504,11 @@ class Scheduler:
             if not policy.may_preempt(v, q, plan.now):
                 break  # victims come lowest first: later ones may not be preempted either
             swaps = policy.swaps_out(v)
-            out_cost = bm.swap_out_cost(v) if swaps else 0
+            blocks = plan.victim_blocks.get(v.request_id)
+            if blocks is None:
+                blocks = plan.victim_blocks[v.request_id] = (
+                    bm.swap_out_cost(v) if swaps else 0, bm.num_device_blocks_of(v))
+            out_cost, held = blocks
             if cap is not None and moved and moved + out_cost > cap:
                 continue
             # Blocks a rotate-out copies stay busy until the copy ran: never usable by a
@@ -527,6 +581,9 @@ class Scheduler:
         events: list[RequestEvent] = []
         epochs = out.kv_epochs
         caching = self.config.enable_prefix_caching
+        if self.cost is not None and out.chunks and result.execute_s > 0:
+            context = sum(c.start_pos + len(c.token_ids) for c in out.chunks)
+            self.cost.observe(out.num_tokens, len(out.chunks), context, result.execute_s)
         for chunk in out.chunks:
             req = self.requests.get(chunk.request_id)
             if req is None:
@@ -553,6 +610,14 @@ class Scheduler:
             events.append(RequestEvent(req.request_id, [tok], reason))
         self._landed(out)
         return events
+
+    def charge_transfer_stall(self, out: SchedulerOutput, seconds: float) -> None:
+        """The worker idled `seconds` before `out`'s batch for its copies (engine_core)."""
+        requests = self.requests
+        for c in out.chunks:
+            req = requests.get(c.request_id)
+            if req is not None:
+                req.charge_transfer_stall(seconds)
 
     def _landed(self, out: SchedulerOutput) -> None:
         if self._in_flight.pop(out.iteration, None) is not None:

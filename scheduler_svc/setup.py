@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from common.config import EngineConfig
 from scheduler_svc.policy import Policy, RotationLimits, VLTParams, make_policy
+from scheduler_svc.policy.iteration_cost import OnlineIterationCost
 from scheduler_svc.request import SLO
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 
@@ -22,7 +23,7 @@ def vlt_params(cfg: EngineConfig) -> VLTParams:
 
 def rotation_limits(cfg: EngineConfig) -> RotationLimits:
     return RotationLimits(cfg.xfer_budget_blocks, cfg.min_residency, cfg.vlt_margin,
-                          cfg.hold_vlt)
+                          cfg.hold_vlt, cfg.iteration_budget, cfg.prefill_within)
 
 
 def default_slo(cfg: EngineConfig) -> SLO:
@@ -62,6 +63,9 @@ def build_scheduler(
     cfg: EngineConfig, num_device_blocks: int, num_host_blocks: int, model_max_len: int,
     clock: Callable[[], float] = time.monotonic, model_id: str = "",
 ) -> Scheduler:
+    policy = policy_from(cfg)
+    # The executor's measured batch times, for a policy that keeps iterations under a target.
+    cost = OnlineIterationCost() if policy.iteration_target_s(cfg.tbt_slo) is not None else None
     return Scheduler(scheduler_config(cfg, num_device_blocks, num_host_blocks, model_max_len,
                                       model_id),
-                     policy_from(cfg), clock=clock)
+                     policy, clock=clock, cost=cost)

@@ -99,12 +99,67 @@ SYNTHETIC: dict[str, SyntheticDataset] = {
 
 
 @dataclass(slots=True, frozen=True)
+class SLOClass:
+    """A class of requests sharing SLOs: `share` of the trace carries TTFT `ttft_s` and
+    TBT `tbt_s` (each request its own, sent with it)."""
+
+    name: str
+    ttft_s: float
+    tbt_s: float
+    share: float
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
+            raise WorkloadError(f"an SLO class needs a plain name (letters, digits, - _), "
+                                f"got {self.name!r}")
+        if not (self.ttft_s > 0 and self.tbt_s > 0 and math.isfinite(self.ttft_s + self.tbt_s)):
+            raise WorkloadError(f"SLO class {self.name}: SLOs must be positive seconds, got "
+                                f"TTFT {self.ttft_s}, TBT {self.tbt_s}")
+        if not self.share > 0:
+            raise WorkloadError(f"SLO class {self.name}: share must be positive, got {self.share}")
+
+
+# Named mixes for --slo-classes. "mixed": the interactive/batch split of issue #18.
+SLO_MIXES: dict[str, tuple[SLOClass, ...]] = {
+    "mixed": (SLOClass("interactive", 1.0, 0.05, 0.5), SLOClass("batch", 20.0, 0.5, 0.5)),
+}
+
+
+def parse_slo_classes(text: str | None) -> tuple[SLOClass, ...]:
+    """`mixed`, or `name=TTFT:TBT:SHARE,...` in seconds (shares are normalised), or
+    None/'' for one class with the run's SLOs."""
+    if not text:
+        return ()
+    text = text.strip()
+    if text in SLO_MIXES:
+        return SLO_MIXES[text]
+    out = []
+    for part in text.split(","):
+        name, sep, rest = part.strip().partition("=")
+        fields = rest.split(":")
+        if not sep or len(fields) != 3:
+            raise WorkloadError(
+                f"SLO class {part.strip()!r}: expected name=TTFT_S:TBT_S:SHARE (e.g. "
+                f"interactive=1:0.05:0.5), or one of: {', '.join(SLO_MIXES)}")
+        try:
+            ttft, tbt, share = (float(f) for f in fields)
+        except ValueError:
+            raise WorkloadError(f"SLO class {part.strip()!r}: TTFT, TBT and share must be "
+                                "numbers") from None
+        out.append(SLOClass(name.strip(), ttft, tbt, share))
+    if len({c.name for c in out}) != len(out):
+        raise WorkloadError(f"SLO classes {text!r}: two classes have the same name")
+    return tuple(out)
+
+
+@dataclass(slots=True, frozen=True)
 class TraceRequest:
     index: int
     arrival_s: float
     prompt_len: int
     output_len: int
     prompt: str | None = None  # the prompt text when the trace comes from a dataset file
+    slo: SLOClass | None = None  # its own SLOs (None: the run's)
 
 
 @dataclass(slots=True)
@@ -119,6 +174,7 @@ class WorkloadSpec:
     max_output_len: int = 1024
     min_len: int = 4
     length_scale: float = 1.0
+    slo_classes: tuple[SLOClass, ...] = ()  # each request drawn into one (seeded); (): none
 
     def __post_init__(self) -> None:
         if not self.rps > 0:
@@ -242,8 +298,10 @@ def _clip(x: np.ndarray, spec: WorkloadSpec, hi: int) -> list[int]:
 def build_trace(
     spec: WorkloadSpec, tokenizer: Callable[[str], Sequence[int]] | None = None
 ) -> list[TraceRequest]:
-    arrival_rng, prompt_rng, output_rng = (
-        np.random.default_rng(s) for s in np.random.SeedSequence(spec.seed).spawn(3)
+    # Separate streams (the first three as before a fourth was added): request i keeps
+    # its lengths and its class at every rate.
+    arrival_rng, prompt_rng, output_rng, class_rng = (
+        np.random.default_rng(s) for s in np.random.SeedSequence(spec.seed).spawn(4)
     )
     arrivals = gamma_arrivals(
         arrival_rng, spec.rps, spec.burstiness, num=spec.num_prompts, duration_s=spec.duration_s
@@ -268,8 +326,14 @@ def build_trace(
         texts = [e[0] for e in chosen]
         prompts = _clip(np.array([e[1] for e in chosen], dtype=float), spec, spec.max_prompt_len)
         outputs = _clip(np.array([e[2] for e in chosen], dtype=float), spec, spec.max_output_len)
+    classes: list[SLOClass | None] = [None] * n
+    if spec.slo_classes:
+        shares = np.array([c.share for c in spec.slo_classes], dtype=float)
+        picks = class_rng.choice(len(shares), size=n, p=shares / shares.sum())
+        classes = [spec.slo_classes[i] for i in picks.tolist()]
     return [
-        TraceRequest(i, arrivals[i], prompts[i], outputs[i], texts[i]) for i in range(n)
+        TraceRequest(i, arrivals[i], prompts[i], outputs[i], texts[i], classes[i])
+        for i in range(n)
     ]
 
 

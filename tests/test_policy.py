@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler_svc.policy import RotationLimits, Unservable, VLTParams, make_policy, vlt
+from scheduler_svc.policy.vlt import due_time, is_late
 from scheduler_svc.request import SLO, Request, RequestState, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 
@@ -29,44 +30,60 @@ def test_vlt_formulas() -> None:
     now = 10.0
     w = req("w", arrival=5.0)
     assert vlt(w, now, P) == pytest.approx(5.0 / 5.0 - 1.0)
+    # A started request lags against its pace: with k tokens out its next one is due at
+    # first + k·S_F; one token at 9.9 -> due at 10.0, and 3·(0 + 0.5·0.1)/5 at 10.0.
     r = req("r", 0.0, RequestState.ROTARY, last_token=9.9)
-    assert vlt(r, now, P) == pytest.approx(3.0 * (0.1 / 0.1 - 0.5))
+    assert due_time(r) == pytest.approx(10.0)
+    assert vlt(r, now, P) == pytest.approx(3.0 * (0.0 + 0.5 * 0.1) / 5.0)
+    # ... crossing 0 (1 - beta_f) of a gap after its last token, as on pace it always did.
+    assert vlt(r, 9.95, P) == pytest.approx(0.0, abs=1e-12)
+    # Banked time counts: 11 tokens in 0.5 s (iterations of 50 ms) -> due at 9.9 + 1.1 - 0.1.
+    fast = req("f", 0.0, RequestState.ROTARY, last_token=9.4)
+    fast.first_token_time, fast.output_token_ids = 8.9, [1] * 11
+    assert due_time(fast) == pytest.approx(8.9 + 11 * 0.1)
+    assert not is_late(fast, now) and is_late(r, 10.01)
     run = req("x", 0.0, RequestState.RUNNING, last_token=9.95, run_start=9.0)
     assert vlt(run, now, P) == pytest.approx(-1.0 / (3.0 * 0.1))
 
 
-def test_lvf_orders_by_vlt_descending() -> None:
+def test_lvf_serves_on_time_requests_by_vlt_then_late_ones_oldest_first() -> None:
     now = 10.0
     fresh = req("fresh", arrival=9.9)  # VLT ≈ -0.98
-    late = req("late", arrival=3.0)  # VLT = 0.4
-    rot = req("rot", 0.0, RequestState.ROTARY, last_token=9.97)  # 3*(0.3-0.5) = -0.6
-    starving = req("starving", 0.0, RequestState.ROTARY, last_token=9.5)  # 3*(5-0.5) = 13.5
+    old = req("old", arrival=6.0)  # -0.2, on time (TTFT deadline 11.0)
+    missed = req("missed", arrival=3.0)  # TTFT deadline 8.0 passed: late
+    rot = req("rot", 0.0, RequestState.ROTARY, last_token=9.97)  # due 10.07: 3·0.12/5 ≈ 0.07
+    parked = req("parked", 0.0, RequestState.ROTARY, last_token=9.5)  # due 9.6: late
     lvf = make_policy("lvf", P)
-    order = lvf.candidates([fresh, late], [rot, starving], now)
-    assert [r.request_id for r in order] == ["starving", "late", "rot", "fresh"]
+    order = lvf.candidates([fresh, old, missed], [rot, parked], now)
+    # On time by VLT (rot, old, fresh), then late by deadline (missed 8.0, parked 9.6).
+    assert [r.request_id for r in order] == ["rot", "old", "fresh", "missed", "parked"]
+    # A late request never preempts anyone: it is served from free capacity.
+    victim = req("v", 0.0, RequestState.RUNNING, last_token=9.95, run_start=1.0)
+    assert lvf.may_preempt(victim, fresh, now) and lvf.may_preempt(victim, rot, now)
+    assert not lvf.may_preempt(victim, missed, now) and not lvf.may_preempt(victim, parked, now)
 
 
 def test_lvf_honours_per_request_slos() -> None:
     now = 10.0
     loose = req("loose", arrival=8.0, slo=SLO(ttft_s=10.0, tbt_s=0.1))  # 0.2 - 1 = -0.8
-    tight = req("tight", arrival=8.0, slo=SLO(ttft_s=1.0, tbt_s=0.1))  # 2 - 1 = 1.0
+    tight = req("tight", arrival=9.5, slo=SLO(ttft_s=1.0, tbt_s=0.1))  # 0.5 - 1 = -0.5
     order = make_policy("lvf", P).candidates([loose, tight], [], now)
     assert order[0] is tight
-    # A rotary request with a tight TBT SLO lags sooner than one with a loose one.
-    a = req("a", 0.0, RequestState.ROTARY, last_token=9.8, slo=SLO(5.0, 0.1))
-    b = req("b", 0.0, RequestState.ROTARY, last_token=9.8, slo=SLO(5.0, 1.0))
+    # A rotary request with a tight TBT SLO is due sooner than one with a loose one.
+    a = req("a", 0.0, RequestState.ROTARY, last_token=9.95, slo=SLO(5.0, 0.1))
+    b = req("b", 0.0, RequestState.ROTARY, last_token=9.95, slo=SLO(5.0, 1.0))
     assert make_policy("lvf", P).candidates([], [b, a], now)[0] is a
 
 
 def test_lvf_never_preempts_a_request_with_nonnegative_vlt() -> None:
     now = 10.0
     lvf = make_policy("lvf", P)
-    starving = req("s", arrival=0.0)
+    lagging = req("s", arrival=6.0)  # -0.2: on time
     just_admitted = req("j", 0.0, RequestState.RUNNING, last_token=9.9, run_start=now)
     assert vlt(just_admitted, now, P) == 0.0
-    assert not lvf.may_preempt(just_admitted, starving, now)
+    assert not lvf.may_preempt(just_admitted, lagging, now)
     long_runner = req("l", 0.0, RequestState.RUNNING, last_token=9.9, run_start=2.0)
-    assert lvf.may_preempt(long_runner, starving, now)
+    assert lvf.may_preempt(long_runner, lagging, now)
     # ... and only for a candidate that lags more than the victim leads.
     fresh = req("f", arrival=10.0)
     assert not lvf.may_preempt(req("v", 0.0, RequestState.RUNNING, run_start=9.99), fresh, now)
@@ -140,12 +157,20 @@ def _sampled(out):  # type: ignore[no-untyped-def]
 
 def test_lvf_rotates_out_to_serve_a_lagging_request() -> None:
     s, t = _filled("lvf")
-    t[0] = 2.0  # "new" has waited past its 1 s TTFT SLO: VLT = 1.0
+    t[0] = 0.6  # "new" has spent 60 % of its 1 s TTFT SLO (VLT -0.4); the others ran 0.6 s
     out = s.schedule()
     assert "new" in [c.request_id for c in out.chunks]
     assert len(out.rotated_out) >= 1 and s.stats.rotations >= 1
     assert out.transfers is not None and out.transfers.swap_out
     s.check_integrity()
+
+
+def test_lvf_does_not_rotate_anyone_out_for_a_request_that_already_missed() -> None:
+    s, t = _filled("lvf")
+    t[0] = 2.0  # "new" waited past its 1 s TTFT SLO: late, it waits for free blocks
+    out = s.schedule()
+    assert "new" not in [c.request_id for c in out.chunks]
+    assert s.stats.preemptions == 0
 
 
 def test_lvf_degenerates_to_fcfs_when_everything_fits() -> None:
@@ -244,26 +269,24 @@ def test_lvf_stops_skipping_a_new_request_that_lags_past_hold_vlt() -> None:
 
 
 def test_lvf_rotates_out_to_free_a_seat() -> None:
+    """Seats bind before memory (max_num_seqs 2, a pool of 100 blocks): LVF leaves plain FCFS
+    all the same and rotates a running request out for a lagging new one (issue #18: with
+    the engine's 256 seats LVF used to stay inert whenever memory was not short)."""
     t = [0.0]
     s = Scheduler(
         SchedulerConfig(num_device_blocks=100, num_host_blocks=64, block_size=4,
                         max_batched_tokens=64, max_num_seqs=2, eager_budget_blocks=0),
         make_policy("lvf", P), clock=lambda: t[0],
     )
-    for i in range(2):
-        s.add_request(Request(f"r{i}", list(range(7)), SamplingParams(max_tokens=500), 0.0,
+    for rid in ("r0", "r1", "new"):
+        s.add_request(Request(rid, list(range(7)), SamplingParams(max_tokens=500), 0.0,
                               slo=SLO(1.0, 0.1)))
-    # Long prompts so that not everything fits and LVF leaves FCFS mode.
-    s.add_request(Request("new", list(range(7)), SamplingParams(max_tokens=500), 0.0,
-                          slo=SLO(1.0, 0.1)))
-    s.config.num_device_blocks = 100
     s.update_from_output(out := s.schedule(), _sampled(out))
-    assert len(s.running) == 2
-    t[0] = 3.0
-    for r in s.running:
-        r.output_token_ids.extend([1] * 400)  # grow demand past the pool: rotation mode
+    assert len(s.running) == 2 and s.everything_fits() is False  # memory fits, seats do not
+    t[0] = 0.5  # "new" on time (VLT -0.5), the running ones 0.5 s in (VLT -1.7)
     out = s.schedule()
     assert "new" in [c.request_id for c in out.chunks] and len(s.running) == 2
+    assert out.rotated_out == ["r1"]
 
 
 @pytest.mark.parametrize("name", ["lvf", "fcfs", "swapped-first", "waiting-first"])
@@ -303,7 +326,8 @@ def test_lazy_merged_order_equals_the_plain_sort(name: str) -> None:
         def ids(reqs: object) -> list[str]:
             return [r.request_id for r in reqs]  # type: ignore[attr-defined]
 
-        lazy = ids(_merge(waiting.groups() + rotary.groups(), policy.merge_key, now))
+        runs = policy.candidate_runs(waiting.groups() + rotary.groups(), now)
+        lazy = ids(_merge(runs, policy.merge_key, now))
         plain = ids(policy.candidates(waiting.list(), rotary.list(), now))
         assert lazy == plain
         lazy_run = ids(_merge(running.groups(), policy.running_merge_key, now))

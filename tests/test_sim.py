@@ -223,15 +223,16 @@ def test_vllm_style_transfers_with_a_large_budget_cost_tbt() -> None:
 def test_duplexkv_keeps_tpot_and_tail_tbt_that_vllm_style_transfers_lose() -> None:
     """Fig. 17's other half: with the same large B_xfer, vLLM-style transfers (layer-first,
     half duplex, no eager copies) stall the requests they rotate; DuplexKV does not.
-    (Its TTFT claim does not hold on this small trace: LVF with DuplexKV rotates more and
-    reaches 0.75 TTFT attainment against 1.00 — docs/sim/README.md.)"""
+    (Its TTFT claim does not hold on this small trace: both reach 100 % TTFT attainment.
+    Nor, since issue #18's late tier, the 5x lower P99 TBT: a request parked past its pace
+    waits for free capacity under either transfer engine, and those gaps, 2.8 s and 3.2 s,
+    are the P99 of both — docs/sim/README.md §10.)"""
     slow = simulate(GH200, LLAMA, PolicyVariant.parse(f"lvf:{VLLM_STYLE}:xfer=400"),
                     SimConfig(device_blocks=150, host_blocks=20000), _findings_trace(), 6.0)
     fast = simulate(GH200, LLAMA, PolicyVariant.parse("lvf:xfer=400"),
                     SimConfig(device_blocks=150, host_blocks=20000), _findings_trace(), 6.0)
     assert fast.stats["transfer_s"] < slow.stats["transfer_s"] / 10  # type: ignore[operator]
-    assert fast.metrics.tpot_attainment > slow.metrics.tpot_attainment + 0.3
-    assert fast.metrics.p99_tbt_s < slow.metrics.p99_tbt_s / 5
+    assert fast.metrics.tpot_attainment > slow.metrics.tpot_attainment + 0.15  # 0.96 vs 0.73
 
 
 def test_clock_cap_counts_every_request() -> None:

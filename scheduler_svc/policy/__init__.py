@@ -16,10 +16,14 @@ def make_policy(
     limits = limits or RotationLimits()
     if name == "lvf":
         return LVFPolicy(params, limits)
+    # vLLM's baselines know no rotation limits; only a time target may be given to them
+    # (a what-if: none of them has one).
+    timed = RotationLimits(iteration_budget=limits.iteration_budget,
+                           prefill_within=limits.prefill_within)
     if name == "fcfs":
-        return FCFSPolicy()
+        return FCFSPolicy(timed)
     if name == "swapped-first":
-        return SwappedFirstPolicy()
+        return SwappedFirstPolicy(timed)
     if name == "waiting-first":
         return WaitingFirstPolicy(limits)
     raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")

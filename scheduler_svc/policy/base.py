@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
+from scheduler_svc.queue import Entry
 from scheduler_svc.request import Request, RequestState
 
 OrderKey = tuple[Hashable, tuple[float | int | str, ...]]
@@ -42,6 +43,13 @@ class RotationLimits:
     # no token yet whose VLT reaches this is no longer skipped: admission stops there, so
     # free blocks gather for it instead of going to later, smaller requests (None: off).
     hold_vlt: float | None = None
+    # Iteration-time-aware admission: an iteration may take at most this share of the
+    # tightest live TBT SLO (the scheduler needs a cost model to apply it). None: the
+    # policy's default (LVF 0.9, the baselines none); 0: off.
+    iteration_budget: float | None = None
+    # Seats are counted so that the prompts of on-time new requests can be prefilled
+    # within this share of their TTFT SLO (LVF; see LVFPolicy.prefill_demand).
+    prefill_within: float = 0.5
 
 
 class Unservable(enum.Enum):
@@ -57,6 +65,9 @@ class Policy(ABC):
     # preemption always recomputes, and synced blocks get no eager host copies.
     uses_host_pool: bool = True
     limits: RotationLimits = RotationLimits()
+    # Share of the tightest TBT SLO an iteration may take when limits do not say (None:
+    # no time target, vLLM's behaviour).
+    default_iteration_budget: float | None = None
 
     # -- admission decisions (the scheduler asks; defaults are vLLM's behaviour) ------------
     def plain_fcfs(self, everything_fits: bool) -> bool:
@@ -71,6 +82,29 @@ class Policy(ABC):
     def may_swap_in(self, candidate: Request, preempted_this_iteration: bool) -> bool:
         """May rotary `candidate` come back in this iteration?"""
         return True
+
+    def iteration_target_s(self, tightest_tbt_s: float) -> float | None:
+        """The longest an iteration should take, given the tightest live TBT SLO (None:
+        no time target, only the token budget: vLLM's behaviour, the baselines' default)."""
+        share = self.limits.iteration_budget
+        if share is None:
+            share = self.default_iteration_budget
+        return share * tightest_tbt_s if share else None
+
+    def prefill_demand(self, waiting: Iterable[list[Entry]], now: float) -> float:
+        """Prompt tokens per second the waiting requests need (`waiting`: the waiting
+        queue's sorted runs). Decode seats leave room for them under a time target."""
+        return 0.0
+
+    def growth_reserve_blocks(self, num_running: int, block_size: int) -> int:
+        """Free device blocks admission leaves alone, for the running requests to grow
+        into (0: admit into every free block, vLLM's behaviour)."""
+        return 0
+
+    def candidate_runs(self, runs: list[list[Entry]], now: float) -> list[list[Entry]]:
+        """The queues' sorted runs, split where the merge key's order needs it (each
+        returned run must be sorted by `merge_key` at `now`)."""
+        return runs
 
     def on_unservable(self, candidate: Request, now: float) -> Unservable:
         """`candidate` does not fit and nobody may be preempted for it: stop or skip?"""

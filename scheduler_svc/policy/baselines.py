@@ -17,6 +17,9 @@ class FCFSPolicy(StaticOrderPolicy):
     name = "fcfs"
     uses_host_pool = False
 
+    def __init__(self, limits: RotationLimits | None = None) -> None:
+        self.limits = limits or RotationLimits()
+
     def order_key(self, req: Request, rotary: bool) -> OrderKey:
         return 0, (req.arrival_time, req.request_id)
 
@@ -28,6 +31,9 @@ class SwappedFirstPolicy(StaticOrderPolicy):
     """
 
     name = "swapped-first"
+
+    def __init__(self, limits: RotationLimits | None = None) -> None:
+        self.limits = limits or RotationLimits()
 
     def may_swap_in(self, candidate: Request, preempted_this_iteration: bool) -> bool:
         return not preempted_this_iteration  # vLLM 0.6: no swap-in once it had to preempt

@@ -1,6 +1,22 @@
 """Virtual Lag Time (DESIGN §4): how far a request lags behind its SLOs, one number.
 
 VLT > 0: lagging, serve it first. VLT < 0: ahead, a candidate for preemption.
+
+    waiting, no token yet   (t − arrival)/S_B − (1 − β_B)
+    started, not running    λ = (t − first_token − (1 − β_F)·k·S_F) / S_B     (k tokens out)
+                            α·λ when lagging (λ ≥ 0), λ/α when ahead
+    running                 −(t − run_start) / (α · S_F)
+
+A request that has its first token lags against its *pace*: with k tokens out, its
+(k+1)-th is due at `first_token + k·S_F`, the time at which its mean gap so far (TPOT,
+the per-request TBT that vLLM's goodput counts) would reach S_F. A request that ran with
+iterations shorter than S_F has banked the difference and may be parked that long
+without missing its TPOT; one parked past its due time is late (`is_late`). β_F is the
+share of that budget it may use before it counts as lagging, as β_B is for the TTFT
+budget. Both lags are in units of the request's TTFT budget S_B, so that a parked
+request's slack and a new request's slack compare in the same seconds. α weighs a started
+request against a new one: its lag counts α times, its lead 1/α times, so a larger α makes
+it more urgent at every moment (and a running request a later victim).
 """
 
 from __future__ import annotations
@@ -12,9 +28,9 @@ from scheduler_svc.request import Request, RequestState
 
 @dataclass(slots=True, frozen=True)
 class VLTParams:
-    alpha: float = 3.0  # weight of TBT lag against TTFT lag
+    alpha: float = 0.3  # weight of a started request's lag against a new one's (module doc)
     beta_b: float = 0.0  # TTFT tolerance: lag starts after (1 - beta_b) of the TTFT budget
-    beta_f: float = 0.5  # TBT tolerance: lag starts after (1 - beta_f) of the TBT budget
+    beta_f: float = 0.0  # TBT tolerance: lag starts after (1 - beta_f) of the TPOT budget
 
     def __post_init__(self) -> None:
         if self.alpha <= 0:
@@ -25,16 +41,44 @@ class VLTParams:
                 raise ValueError(f"{name} must be in [0, 1], got {v}")
 
 
+def tokens_out(req: Request) -> int:
+    """Output tokens the request has, those whose ids are still being sampled included."""
+    return len(req.output_token_ids) + req.num_placeholders
+
+
+def due_time(req: Request) -> float:
+    """When a started request's next token is due to keep its mean gap within S_F; for a
+    request with no token yet, its TTFT deadline."""
+    first = req.first_token_time
+    if first is None:
+        return req.arrival_time + req.slo.ttft_s
+    return first + tokens_out(req) * req.slo.tbt_s
+
+
+def is_late(req: Request, now: float) -> bool:
+    """Has the request already missed the SLO it is waiting on: its TTFT (no token yet),
+    or the pace of its TPOT (a started request not running)?"""
+    return now > due_time(req)
+
+
 def vlt(req: Request, now: float, p: VLTParams) -> float:
     """The request's Virtual Lag Time at `now`, using the request's own SLOs."""
     slo = req.slo
     if req.state is RequestState.RUNNING:
         start = req.run_start_time if req.run_start_time is not None else now
         return -(now - start) / (p.alpha * slo.tbt_s)
-    last = req.last_token_time
-    if last is None:
+    first = req.first_token_time
+    if first is None:
         # No token yet: lag against the TTFT budget since arrival.
         return (now - req.arrival_time) / slo.ttft_s - (1.0 - p.beta_b)
-    # Rotary (or recomputing after a preemption): lag against the TBT budget since the
-    # last token, weighted by alpha.
-    return p.alpha * ((now - last) / slo.tbt_s - (1.0 - p.beta_f))
+    # Rotary (or recomputing after a preemption): lag against its pace (module doc).
+    lag = (now - lag_anchor(req, p)) / slo.ttft_s
+    return p.alpha * lag if lag >= 0.0 else lag / p.alpha
+
+
+def lag_anchor(req: Request, p: VLTParams) -> float:
+    """When a request starts to lag (VLT 0); its VLT grows linearly from there."""
+    first = req.first_token_time
+    if first is None:
+        return req.arrival_time + (1.0 - p.beta_b) * req.slo.ttft_s
+    return first + (1.0 - p.beta_f) * tokens_out(req) * req.slo.tbt_s

@@ -12,9 +12,13 @@ serve` (a separate client process), and stops the stack. Then it writes to `--ou
 * `command.txt` — the exact command; `<policy>.json` — bench serve's own output
   (per-request details); `<policy>.trace.json` with `--trace` (iteration timelines).
 
-The claim (issue #7): at the highest rate where any policy keeps TBT attainment >= 90 %,
-`lvf` raises TTFT attainment over `swapped-first` by >= 20 points with TBT attainment
-within 5 points.
+The claims checked: issue #7's (at the highest rate where any policy keeps TBT attainment
+>= 90 %, `lvf` raises TTFT attainment over `swapped-first` by >= 20 points with TBT
+attainment within 5 points) and issue #18's (at the rates from 1.5x the saturation rate
+up, `lvf` is on the Pareto front of (TTFT, per-gap TBT attainment) against every other
+policy, and its goodput as vLLM counts it is >= each of theirs). `--saturation R` sweeps
+0.5, 1, 1.5 and 2 x R; `--num-prompts N` sends N requests per pass (>= 100, or one
+request is worth several points), instead of `--duration` seconds of arrivals.
 
 SLOs scale the paper's to this CPU (DESIGN 8: 5 s TTFT, 100 ms TBT on a GH200, where a
 decode iteration of Qwen2.5-32B takes ~40 ms): the TBT SLO is ~2.5 decode iterations and
@@ -41,16 +45,25 @@ import httpx
 
 from common.daemon import free_port
 from superinfer.bench.report import table
+from superinfer.bench.serve.summary import format_misses
 
 POLICIES = "lvf,swapped-first,waiting-first,fcfs"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default=POLICIES)
-    p.add_argument("--rates", default="0.4,1.0,1.6,2.4",
-                   help="request rates (req/s) to sweep: from under the ~0.7 req/s the small pool "
-                        "serves to ~3x over it")
+    p.add_argument("--rates", default=None,
+                   help="request rates (req/s) to sweep (default 0.4,1.0,1.6,2.4: from under the "
+                        "~0.7 req/s the small pool serves to ~3x over it; with --saturation, "
+                        "0.5, 1, 1.5 and 2 x it)")
+    p.add_argument("--saturation", type=float, default=None,
+                   help="the measured saturation rate (req/s): the issue #18 claim is checked "
+                        "at the rates >= 1.5 x it; without --rates, sweep 0.5, 1, 1.5, 2 x it")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="requests per pass (instead of --duration)")
+    p.add_argument("--slo-classes", default=None,
+                   help="heterogeneous SLOs for bench serve (e.g. 'mixed')")
     p.add_argument("--dataset", default="sharegpt")
     p.add_argument("--max-prompt-len", type=int, default=384)
     p.add_argument("--max-output-len", type=int, default=64)
@@ -182,9 +195,37 @@ def claim(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-KEYS = ["policy", "rps", "completed", "failed", "ttft_attainment", "tbt_attainment",
-        "p50_ttft_s", "p99_ttft_s", "p50_tbt_s", "p99_tbt_s", "goodput_rps",
-        "throughput_tok_s", "rotations"]
+def pareto_claim(rows: list[dict[str, Any]], saturation: float | None) -> dict[str, Any]:
+    """Issue #18's claim at the rates >= 1.5x `saturation`: no other policy is at least as
+    good on both TTFT and per-gap TBT attainment and better on one, and lvf's goodput
+    (vLLM's) is >= each of theirs. `holds` None: not checkable."""
+    if saturation is None:
+        return {"holds": None, "why": "needs --saturation (the measured saturation rate)"}
+    rates = sorted({r["rps"] for r in rows if r["rps"] >= 1.5 * saturation - 1e-9})
+    if not rates or not any(r["policy"] == "lvf" for r in rows):
+        return {"holds": None, "why": "needs lvf and a rate >= 1.5x the saturation rate"}
+    per_rate = []
+    for rate in rates:
+        at = {r["policy"]: r for r in rows if r["rps"] == rate}
+        lvf = at.get("lvf")
+        if lvf is None:
+            continue
+        others = [r for p, r in at.items() if p != "lvf"]
+        a = (lvf["ttft_attainment"] or 0.0, lvf["tbt_attainment"] or 0.0)
+        dominated_by = [
+            r["policy"] for r in others
+            if (r["ttft_attainment"] or 0.0) >= a[0] and (r["tbt_attainment"] or 0.0) >= a[1]
+            and ((r["ttft_attainment"] or 0.0) > a[0] or (r["tbt_attainment"] or 0.0) > a[1])]
+        best = max((r["goodput_rps"] or 0.0 for r in others), default=0.0)
+        per_rate.append({"rate": rate, "dominated_by": dominated_by,
+                         "goodput": lvf["goodput_rps"], "best_other_goodput": best,
+                         "holds": not dominated_by and (lvf["goodput_rps"] or 0.0) >= best})
+    return {"rates": per_rate, "holds": all(r["holds"] for r in per_rate) if per_rate else None}
+
+
+KEYS = ["policy", "rps", "requests", "completed", "failed", "ttft_attainment", "tbt_attainment",
+        "tpot_attainment", "p50_ttft_s", "p99_ttft_s", "p50_tbt_s", "p99_tbt_s", "goodput_rps",
+        "goodput_every_gap_rps", "throughput_tok_s", "rotations"]
 
 
 def _cell(v: Any) -> Any:
@@ -198,6 +239,15 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     command = shlex.join(["superinfer", "bench", "experiment", *sys.argv[3:]])
     facts = machine_facts()
+    if args.saturation is not None:
+        if not args.saturation > 0:
+            print("superinfer bench experiment: error: --saturation must be a positive rate "
+                  "in req/s", file=sys.stderr)
+            return 2
+        if args.rates is None:
+            args.rates = ",".join(f"{f * args.saturation:g}" for f in (0.5, 1.0, 1.5, 2.0))
+    if args.rates is None:
+        args.rates = "0.4,1.0,1.6,2.4"
     rows: list[dict[str, Any]] = []
     t_start = time.monotonic()
     for policy in args.policies.split(","):
@@ -209,7 +259,10 @@ def run(args: argparse.Namespace) -> int:
             bench = [
                 sys.executable, "-m", "superinfer.cli", "bench", "serve",
                 "--base-url", stack.base_url, "--label", policy, "--sweep-rps", args.rates,
-                "--duration", str(args.duration), "--dataset", args.dataset,
+                *(["--num-prompts", str(args.num_prompts)] if args.num_prompts
+                  else ["--duration", str(args.duration)]),
+                *(["--slo-classes", args.slo_classes] if args.slo_classes else []),
+                "--dataset", args.dataset,
                 "--max-prompt-len", str(args.max_prompt_len),
                 "--max-output-len", str(args.max_output_len),
                 "--length-scale", str(args.length_scale), "--seed", str(args.seed),
@@ -224,19 +277,25 @@ def run(args: argparse.Namespace) -> int:
         finally:
             stack.stop()
     verdict = claim(rows)
+    pareto = pareto_claim(rows, args.saturation)
     summary = {"command": command, "config": vars(args), "machine": facts,
                "wall_s": round(time.monotonic() - t_start, 1), "results": rows,
-               "claim": verdict}
+               "claim": verdict, "claim_issue18": pareto}
     (out / "results.json").write_text(json.dumps(summary, indent=1, default=str))
     (out / "command.txt").write_text(command + "\n")
     text = table(KEYS, [[_cell(r.get(k)) for k in KEYS] for r in rows])
+    misses = [f"{r['policy']} @ {r['rps']:g}: {line}" for r in rows
+              for line in format_misses(r)]
     md = [f"# Experiment: rotation policies on the real stack ({facts['date_utc']} UTC)", "",
           f"`{command}`", "",
           f"Machine: {facts['cpu']}, {facts['cores']} cores, {facts['memory_gib']} GiB; "
           f"torch {facts['torch']}. Load average at start: {facts['load_average_at_start']}.",
           f"SLOs: TTFT {args.ttft_slo} s, TBT {args.tbt_slo} s. Device pool "
           f"{args.device_blocks} blocks x 16 tokens, host pool {args.host_blocks} blocks.", "",
-          "```", text, "```", "", f"Claim check: `{json.dumps(verdict)}`", ""]
+          "```", text, "```", "", f"Claim check (issue #7): `{json.dumps(verdict)}`", "",
+          f"Claim check (issue #18): `{json.dumps(pareto)}`", "",
+          "Where the missed requests' time went (the server's /metrics, per pass):", "",
+          "```", *misses, "```", ""]
     (out / "table.md").write_text("\n".join(md))
     from superinfer.sim.plots import rate_plot as plot
 
@@ -244,6 +303,8 @@ def run(args: argparse.Namespace) -> int:
          f"real stack, bundled model, {args.device_blocks}-block device pool; SLOs "
          f"TTFT {args.ttft_slo} s / TBT {args.tbt_slo} s")
     print(text)
-    print(f"claim: {json.dumps(verdict)}")
+    print("\n".join(misses))
+    print(f"claim (issue #7): {json.dumps(verdict)}")
+    print(f"claim (issue #18): {json.dumps(pareto)}")
     print(f"wrote {out}/results.json, table.md, attainment.png ({summary['wall_s']} s)")
     return 0

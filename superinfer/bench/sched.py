@@ -9,6 +9,11 @@ The running batch is capped by `--max-num-seqs` (the engine's default is 256, as
 every running request costs a few microseconds per decision (its chunk and block table),
 so the second default row shows the cost with a batch of thousands.
 
+As in the service, a policy with an iteration time target (lvf) gets the online fit of the
+executor's batch times (`OnlineIterationCost`); the trivial executor reports a modelled
+time per batch (`5 ms + 0.1 ms per token`, about a GH200 decode step of Qwen2.5-32B), so
+the time-budget path is part of what is measured.
+
 `--prefix-caching off,on` measures both ways: prompts are distinct random tokens, so the
 cache finds nothing and the row shows what naming blocks and looking prefixes up cost.
 """
@@ -22,6 +27,7 @@ import time
 
 from common.contracts import ExecuteResult
 from scheduler_svc.policy import RotationLimits, VLTParams, make_policy
+from scheduler_svc.policy.iteration_cost import OnlineIterationCost
 from scheduler_svc.request import SLO, Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from superinfer.bench.report import table, write_json
@@ -48,12 +54,13 @@ def measure(live: int, policy: str, iterations: int, xfer_budget: int | None = 2
     clock = [0.0]
     bs = 16
     # Device memory for about a third of the live requests' KV: rotation is in play.
+    pol = make_policy(policy, VLTParams(), RotationLimits(xfer_budget, min_residency))
+    cost = OnlineIterationCost() if pol.iteration_target_s(0.1) is not None else None
     sched = Scheduler(
         SchedulerConfig(num_device_blocks=live * 2, num_host_blocks=live * 8, block_size=bs,
                         max_batched_tokens=8192, max_num_seqs=max_num_seqs,
                         eager_budget_blocks=256, enable_prefix_caching=prefix_caching),
-        make_policy(policy, VLTParams(), RotationLimits(xfer_budget, min_residency)),
-        clock=lambda: clock[0],
+        pol, clock=lambda: clock[0], cost=cost,
     )
     for i in range(live):
         sched.add_request(Request(
@@ -68,9 +75,10 @@ def measure(live: int, policy: str, iterations: int, xfer_budget: int | None = 2
         dt, dc = time.perf_counter() - t0, time.thread_time() - c0
         if out.transfers is not None:
             sched.complete_transfer(out.transfers.fence)
+        execute_s = 0.005 + 1e-4 * out.num_tokens
         sched.update_from_output(out, ExecuteResult({c.request_id: 1 for c in out.chunks
-                                                     if c.sample}))
-        clock[0] += 0.05
+                                                     if c.sample}, execute_s=execute_s))
+        clock[0] += execute_s
         return dt, dc
 
     # Reach a steady state: past min_residency, so that rotation is in play.
@@ -90,6 +98,7 @@ def measure(live: int, policy: str, iterations: int, xfer_budget: int | None = 2
         "cpu_p50_ms": statistics.median(cpu) * 1e3,
         "cpu_max_ms": max(cpu) * 1e3,
         "rotations": sched.stats.rotations,
+        "time_budget": cost is not None,
         "prefix_caching": prefix_caching,
     }
 
@@ -100,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
                     args.min_residency, max_num_seqs=int(m), prefix_caching=pc)
             for m in args.max_num_seqs.split(",") for n in args.live.split(",") for pc in modes]
     keys = ["live", "max_num_seqs", "prefix_caching", "running", "waiting", "rotary", "mean_ms",
-            "p50_ms", "max_ms", "cpu_p50_ms", "cpu_max_ms", "rotations"]
+            "p50_ms", "max_ms", "cpu_p50_ms", "cpu_max_ms", "rotations", "time_budget"]
     print(f"schedule() cost, policy {args.policy}")
     print(table(keys, [[r[k] for k in keys] for r in rows]))
     write_json(args.json, {"policy": args.policy, "results": rows})

@@ -8,7 +8,8 @@
 
 A policy entry may carry per-run overrides, e.g. `lvf:xfer=300:layout=layer-first:duplex=off:
 eager=0:label=lvf-vllm-offload` (keys: alpha, beta_b, beta_f, xfer, min_res, margin, eager,
-layout, duplex, pipeline, label), so one command can run an ablation.
+layout, duplex, pipeline, tbt_budget, prefill, cost, label), so one command can run an
+ablation.
 """
 
 from __future__ import annotations
@@ -41,13 +42,14 @@ from superinfer.sim.profile import (
     load_hardware,
     load_model,
 )
-from superinfer.sim.report import format_table, result_row
+from superinfer.sim.report import format_classes, format_misses, format_table, result_row
 from superinfer.workload import (
     SYNTHETIC,
     WorkloadError,
     WorkloadSpec,
     build_trace,
     length_counter,
+    parse_slo_classes,
     trace_stats,
 )
 
@@ -131,6 +133,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--vlt-margin", type=float, default=_D.vlt_margin)
     s.add_argument("--hold-vlt", type=_optional_float, default=_D.hold_vlt,
                    help="LVF anti-starvation threshold for new requests ('none': off)")
+    s.add_argument("--iteration-budget", type=_optional_float, default=_D.iteration_budget,
+                   help="share of the tightest TBT SLO an iteration may take (default: the "
+                        "policy's: lvf 0.9, baselines none; 0: off)")
+    s.add_argument("--prefill-within", type=float, default=_D.prefill_within,
+                   help="decode seats leave room to prefill new prompts within this share of "
+                        "their TTFT SLO")
+    s.add_argument("--iteration-cost", choices=["online", "model", "none"], default=_D.cost,
+                   help="what the scheduler knows of batch times: a fit of the simulated "
+                        "executor's times as the service does (online), the cost model "
+                        "itself (model), or nothing (none)")
+    s.add_argument("--slo-classes", default=None,
+                   help="heterogeneous SLOs: 'mixed' (interactive 1 s/50 ms and batch "
+                        "20 s/500 ms, half each) or name=TTFT:TBT:SHARE,... in seconds; each "
+                        "request carries its class's SLOs")
     s.add_argument("--eager-budget-blocks", type=_budget, default=AUTO,
                    help="eager D2H copies per iteration: a count, 0 (off) or 'auto'")
     s.add_argument("--ttft-slo", type=float, default=_D.ttft_slo, help="S_B, seconds")
@@ -170,6 +186,9 @@ def build_config(args: argparse.Namespace) -> SimConfig:
         min_residency=args.min_residency,
         vlt_margin=args.vlt_margin,
         hold_vlt=args.hold_vlt,
+        iteration_budget=args.iteration_budget,
+        prefill_within=args.prefill_within,
+        cost=args.iteration_cost,
         eager_budget_blocks=args.eager_budget_blocks,
         layout=args.layout,
         duplex=args.duplex,
@@ -193,6 +212,7 @@ def workload_spec(args: argparse.Namespace, rps: float) -> WorkloadSpec:
         max_prompt_len=args.max_prompt_len,
         max_output_len=args.max_output_len,
         length_scale=args.length_scale,
+        slo_classes=parse_slo_classes(args.slo_classes),
     )
 
 
@@ -254,7 +274,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nRPS {spec.rps:g}: {st['requests']} requests ({args.dataset}, prompt mean "
               f"{st.get('prompt_mean', 0):.0f}, output mean {st.get('output_mean', 0):.0f}); "
               f"SLOs TTFT {cfg.ttft_slo:g} s, TBT {cfg.tbt_slo * 1000:g} ms")
-        print(format_table([r for r in rows if r["rps"] == spec.rps]))
+        at = [r for r in rows if r["rps"] == spec.rps]
+        print(format_table(at))
+        classes = format_classes(at)
+        if classes:
+            print("\nper SLO class:\n" + classes)
+        print("\nwhere the missed requests' time went (share of the missed seconds):\n"
+              + format_misses(at))
     print(f"\n{len(tasks)} runs in {wall:.1f} s")
 
     config = {
@@ -269,6 +295,7 @@ def run(args: argparse.Namespace) -> int:
         "max_prompt_len": args.max_prompt_len,
         "max_output_len": args.max_output_len,
         "length_scale": args.length_scale,
+        "slo_classes": args.slo_classes,
         "policies": [v.label for v in variants],
         "sim": asdict(cfg),
         "wall_s": wall,

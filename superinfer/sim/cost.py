@@ -79,6 +79,10 @@ class ExecutionCostModel:
             pairs += n * s + n * (n + 1) // 2  # token at position p attends to p + 1 tokens
             context += s + n
             sampled += c.sample
+        return self.shape_breakdown(tokens, sampled, pairs, context)
+
+    def shape_breakdown(self, tokens: int, sampled: int, pairs: int, context: int) -> ExecBreakdown:
+        """The cost of a batch described by its totals (see `breakdown`)."""
         flops = (
             self.linear_flops_per_token * tokens
             + self.lm_head_flops * sampled
@@ -197,3 +201,22 @@ class TransferCostModel:
             critical += self.plan_overhead_s
         eager_s = self.direction_s(plan.eager, self.d2h)
         return TransferTime(critical, eager_s, d2h_s, h2d_s, d2h_b, h2d_b)
+
+
+class ModelIterationCost:
+    """The execution cost model as the scheduler's `IterationCost` (the oracle): a batch of
+    `tokens` over `seqs` requests with `context` tokens of KV, every request sampling once
+    and each new token attending to its request's whole context (decode-like)."""
+
+    ready = True
+
+    def __init__(self, model: ExecutionCostModel) -> None:
+        self.model = model
+
+    def seconds(self, tokens: int, seqs: int, context: int) -> float:
+        if tokens <= 0:
+            return 0.0
+        return self.model.shape_breakdown(tokens, seqs, context, context).seconds
+
+    def observe(self, tokens: int, seqs: int, context: int, seconds: float) -> None:
+        pass  # a model does not learn

@@ -31,9 +31,10 @@ from common.contracts import ExecuteResult, ScheduledChunk, TransferPlan, Transf
 from common.errors import SuperInferError
 from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.policy import POLICY_NAMES, RotationLimits, VLTParams, make_policy
+from scheduler_svc.policy.iteration_cost import IterationCost, OnlineIterationCost
 from scheduler_svc.request import SLO, Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from superinfer.sim.cost import LAYOUTS, ExecutionCostModel, TransferCostModel
+from superinfer.sim.cost import LAYOUTS, ExecutionCostModel, ModelIterationCost, TransferCostModel
 from superinfer.sim.profile import HardwareProfile, ModelProfile
 from superinfer.sim.vclock import VirtualClock
 from superinfer.slo_metrics import RequestRecord, SLOMetrics, compute_metrics
@@ -74,6 +75,9 @@ class SimConfig:
     min_residency: int = _ENGINE.min_residency
     vlt_margin: float = _ENGINE.vlt_margin
     hold_vlt: float | None = _ENGINE.hold_vlt
+    iteration_budget: float | None = _ENGINE.iteration_budget
+    prefill_within: float = _ENGINE.prefill_within
+    cost: str = "online"  # what the scheduler knows of iteration times: online, model, none
     eager_budget_blocks: int = AUTO  # 0: no eager copies
     layout: str = "block-first"
     duplex: bool = True
@@ -106,6 +110,13 @@ class SimConfig:
             raise SimulationError(f"--xfer-budget-blocks must be >= 0, got {self.xfer_budget_blocks}")
         if self.eager_budget_blocks < AUTO:
             raise SimulationError(f"--eager-budget-blocks must be >= 0, got {self.eager_budget_blocks}")
+        if self.iteration_budget is not None and not 0.0 <= self.iteration_budget <= 1.0:
+            raise SimulationError(f"--iteration-budget must be in [0, 1] (0: off), got "
+                                  f"{self.iteration_budget}")
+        if not 0.0 < self.prefill_within <= 1.0:
+            raise SimulationError(f"--prefill-within must be in (0, 1], got {self.prefill_within}")
+        if self.cost not in ("online", "model", "none"):
+            raise SimulationError(f"--iteration-cost must be online, model or none, got {self.cost!r}")
         if self.min_residency < 0:
             raise SimulationError(f"--min-residency must be >= 0, got {self.min_residency}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -133,6 +144,9 @@ _VARIANT_KEYS = {
     "margin": ("vlt_margin", float),
     "vlt-margin": ("vlt_margin", float),
     "hold": ("hold_vlt", "optional_float"),
+    "tbt_budget": ("iteration_budget", "optional_float"),
+    "prefill": ("prefill_within", float),
+    "cost": ("cost", str),
     "eager": ("eager_budget_blocks", "budget"),
     "layout": ("layout", str),
     "duplex": ("duplex", "bool"),
@@ -287,9 +301,15 @@ class Simulator:
         policy = make_policy(
             self.policy_name,
             VLTParams(c.alpha, c.beta_b, c.beta_f),
-            RotationLimits(self.xfer_budget, c.min_residency, c.vlt_margin, c.hold_vlt),
+            RotationLimits(self.xfer_budget, c.min_residency, c.vlt_margin, c.hold_vlt,
+                           c.iteration_budget, c.prefill_within),
         )
-        return Scheduler(self.scheduler_config(), policy, clock=clock)
+        cost: IterationCost | None = None
+        if c.cost == "model":
+            cost = ModelIterationCost(self.exec_model)
+        elif c.cost == "online":
+            cost = OnlineIterationCost()
+        return Scheduler(self.scheduler_config(), policy, clock=clock, cost=cost)
 
     def run(self, trace: list[TraceRequest], duration_s: float | None = None) -> SimResult:
         """Serve `trace` on the simulated clock."""
@@ -314,6 +334,7 @@ class Simulator:
         max_sim_s = cfg.max_sim_s if cfg.max_sim_s is not None else 10 * last_arrival + 600.0
 
         records: list[RequestRecord] = []
+        classes: dict[str, str] = {}  # request id -> SLO class name
         clipped = rejected = 0
         max_running = 0
         batch_tokens = 0
@@ -326,16 +347,20 @@ class Simulator:
                 plen = min(tr.prompt_len, max_len - 1)
                 olen = max(1, min(tr.output_len, max_len - plen))
                 clipped += plen != tr.prompt_len or olen != tr.output_len
+                own = slo if tr.slo is None else SLO(tr.slo.ttft_s, tr.slo.tbt_s)
                 req = Request(
                     f"r{tr.index}", [0] * plen,
                     SamplingParams(max_tokens=olen, temperature=0.0, ignore_eos=True),
-                    arrival_time=tr.arrival_s, slo=slo,
+                    arrival_time=tr.arrival_s, slo=own,
                 )
+                if tr.slo is not None:
+                    classes[req.request_id] = tr.slo.name
                 try:
                     sched.add_request(req)
                 except ValueError:
                     rejected += 1  # bigger than the whole device pool: a miss, never served
-                    records.append(RequestRecord.from_request(req))
+                    records.append(RequestRecord.from_request(
+                        req, tr.slo.name if tr.slo is not None else None))
             if not sched.has_unfinished():
                 if i >= len(pending):
                     break
@@ -359,13 +384,17 @@ class Simulator:
             batch_tokens += step.out.num_tokens
             max_running = max(max_running, step.out.num_running)
             if sched.finished_log:
-                records.extend(RequestRecord.from_request(r) for r in sched.collect_finished())
+                records.extend(RequestRecord.from_request(r, classes.get(r.request_id))
+                               for r in sched.collect_finished())
 
         unfinished = list(sched.requests.values())
-        records.extend(RequestRecord.from_request(r) for r in unfinished)
+        records.extend(RequestRecord.from_request(r, classes.get(r.request_id), clock.t)
+                       for r in unfinished)
         for tr in pending[i:]:  # the clock stopped (max_sim_s) before they arrived
-            records.append(RequestRecord(f"r{tr.index}", tr.arrival_s, [], slo.ttft_s,
-                                         slo.tbt_s, tr.prompt_len, finished=False))
+            own = slo if tr.slo is None else SLO(tr.slo.ttft_s, tr.slo.tbt_s)
+            records.append(RequestRecord(f"r{tr.index}", tr.arrival_s, [], own.ttft_s,
+                                         own.tbt_s, tr.prompt_len, finished=False,
+                                         slo_class=tr.slo.name if tr.slo is not None else None))
         records.sort(key=lambda r: r.arrival_s)
         metrics = compute_metrics(records, duration_s)
         s = sched.stats

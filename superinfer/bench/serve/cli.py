@@ -33,7 +33,13 @@ from superinfer.bench.serve.runner import (
 )
 from superinfer.bench.serve.stream import StreamOutcome
 from superinfer.bench.serve.summary import format_pass, format_sweep, result_row
-from superinfer.workload import SYNTHETIC, WorkloadSpec, build_trace, trace_stats
+from superinfer.workload import (
+    SYNTHETIC,
+    WorkloadSpec,
+    build_trace,
+    parse_slo_classes,
+    trace_stats,
+)
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"  # `superinfer serve`'s gateway
 DEFAULT_NUM_PROMPTS = 100  # when neither --num-prompts nor --duration is given
@@ -115,6 +121,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("SLOs and output")
     o.add_argument("--ttft-slo", type=positive(float), default=5.0, help="S_B, seconds")
     o.add_argument("--tbt-slo", type=positive(float), default=0.1, help="S_F, seconds")
+    o.add_argument("--slo-classes", default=None,
+                   help="heterogeneous SLOs: 'mixed' (interactive 1 s/50 ms and batch 20 s/500 "
+                        "ms, half each) or name=TTFT:TBT:SHARE,... in seconds; each request "
+                        "sends its class's SLOs and attainment is reported per class")
     o.add_argument("--no-send-slo", action="store_true",
                    help="do not send the SLOs in the request's `slo` field")
     o.add_argument("--json", default=None, metavar="PATH", help="write config and results")
@@ -168,7 +178,7 @@ def _spec(args: argparse.Namespace, rps: float) -> WorkloadSpec:
         dataset=args.dataset, rps=rps, duration_s=None if num is not None else args.duration,
         num_prompts=num, burstiness=args.burstiness, seed=args.seed,
         max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len,
-        length_scale=args.length_scale,
+        length_scale=args.length_scale, slo_classes=parse_slo_classes(args.slo_classes),
     )
 
 
@@ -277,6 +287,7 @@ def _run(args: argparse.Namespace) -> int:
         "system_prompt_len": args.system_prompt_len, "multi_turn": args.multi_turn,
         "think_time_s": args.think_time,
         "ttft_slo_s": args.ttft_slo, "tbt_slo_s": args.tbt_slo, "slo_sent": send_slo,
+        "slo_classes": args.slo_classes,
         "traces": {f"{k:g}": v for k, v in traces.items()},
     }
     if args.json:

@@ -158,5 +158,7 @@ def request_body(req: TraceRequest, text: str, opt: BodyOptions,
     if opt.ignore_eos:
         body["ignore_eos"] = True  # vLLM's and SuperInfer's extra: output lengths follow the trace
     if opt.ttft_slo_s is not None and opt.tbt_slo_s is not None:
-        body["slo"] = {"ttft_ms": opt.ttft_slo_s * 1000.0, "tbt_ms": opt.tbt_slo_s * 1000.0}
+        # A request of an SLO class carries its class's SLOs, the others the run's.
+        ttft, tbt = (req.slo.ttft_s, req.slo.tbt_s) if req.slo else (opt.ttft_slo_s, opt.tbt_slo_s)
+        body["slo"] = {"ttft_ms": ttft * 1000.0, "tbt_ms": tbt * 1000.0}
     return body

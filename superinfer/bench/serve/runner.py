@@ -95,8 +95,8 @@ def metrics_url(base_url: str) -> str:
 
 
 async def scrape(url: str | None) -> dict[str, float] | None:
-    """superinfer_* counters (the gateway's and the scheduler's), or None where the server
-    has none."""
+    """superinfer_* counters (the gateway's and the scheduler's) and the sums and counts of
+    its histograms, or None where the server has none."""
     if not url:
         return None
     from prometheus_client.parser import text_string_to_metric_families
@@ -109,7 +109,10 @@ async def scrape(url: str | None) -> dict[str, float] | None:
         out: dict[str, float] = {}
         for fam in text_string_to_metric_families(r.text):
             for s in fam.samples:
-                if not (fam.type == "counter" and s.name.startswith("superinfer_")):
+                if not s.name.startswith("superinfer_"):
+                    continue
+                if not (fam.type == "counter" or (fam.type == "histogram" and
+                                                  s.name.endswith(("_sum", "_count")))):
                     continue
                 labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
                 out[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)

@@ -67,7 +67,8 @@ class StreamOutcome:
         n = self.output_tokens
         return max(0, n - len(self.chunk_times)) if n is not None else 0
 
-    def record(self, request_id: str, ttft_slo_s: float, tbt_slo_s: float) -> RequestRecord:
+    def record(self, request_id: str, ttft_slo_s: float, tbt_slo_s: float,
+               slo_class: str | None = None) -> RequestRecord:
         return RequestRecord(
             request_id=request_id,
             arrival_s=self.sent_at,
@@ -76,6 +77,7 @@ class StreamOutcome:
             tbt_slo_s=tbt_slo_s,
             prompt_tokens=self.prompt_tokens or 0,
             finished=self.ok,
+            slo_class=slo_class,
         )
 
 

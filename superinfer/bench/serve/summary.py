@@ -28,7 +28,29 @@ SIM_KEYS = (
     "ttft_attainment", "tbt_attainment", "p50_ttft_s", "p99_ttft_s", "p50_tbt_s", "p99_tbt_s",
     "goodput_rps", "throughput_tok_s", "tbt_attainment_rotated", "tpot_attainment",
     "p99_tpot_s", "mean_ttft_s", "max_gap_s", "stall_s", "requests", "completed",
+    "goodput_every_gap_rps", "good_requests", "ttft_missed", "tbt_missed", "per_class",
 )
+MISS_FAMILY = "superinfer_slo_miss_phase_seconds"
+PHASE_NAMES = ("waiting", "rotary", "computing", "transfer")
+
+
+def server_misses(delta: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Where the requests that missed spent the missed time, as the server counted it over
+    the pass (/metrics histogram deltas; {} for a server without them): per SLO (ttft:
+    their TTFT, tbt: their gaps over S_F), seconds per phase and `requests`."""
+    out: dict[str, dict[str, float]] = {}
+    for slo in ("ttft", "tbt"):
+        phases: dict[str, float] = {}
+        count = None
+        for phase in PHASE_NAMES:
+            labels = f"phase={phase},slo={slo}"
+            v = delta.get(f"{MISS_FAMILY}_sum{{{labels}}}")
+            if v is not None:
+                phases[phase] = v
+                count = delta.get(f"{MISS_FAMILY}_count{{{labels}}}", count)
+        if phases:
+            out[slo] = {**phases, "requests": count or 0.0}
+    return out
 DISTRIBUTIONS = (("ttft", "TTFT"), ("itl", "ITL (TBT)"), ("tpot", "TPOT"), ("e2el", "E2EL"))
 
 
@@ -55,7 +77,11 @@ def result_row(
     server: dict[str, float],
 ) -> dict[str, Any]:
     """One rate's result: the simulator's keys, the bench's extras, and every request."""
-    records = [o.record(f"r{o.index}", ttft_slo_s, tbt_slo_s) for o in outcomes]
+    records = [
+        o.record(f"r{o.index}", *((t.slo.ttft_s, t.slo.tbt_s) if t.slo else (ttft_slo_s, tbt_slo_s)),
+                 slo_class=t.slo.name if t.slo else None)
+        for t, o in zip(trace, outcomes, strict=True)
+    ]
     m = compute_metrics(records, duration_s).as_dict()
     row: dict[str, Any] = {"policy": label, "base_policy": None, "rps": rps}
     row.update({k: m[k] for k in SIM_KEYS})
@@ -84,6 +110,7 @@ def result_row(
         "goodput_duration_s": m["duration_s"],
         "max_send_lag_s": max((o.sent_at - start - o.scheduled_s for o in outcomes), default=0.0),
         "latency_s": latency_distributions(records, outcomes),
+        "server_misses": server_misses(server),
         "stats": {"server_metrics_delta": server},
         "per_request": [_detail(t, o, start) for t, o in zip(trace, outcomes, strict=True)],
     })
@@ -101,6 +128,7 @@ def _detail(req: TraceRequest, o: StreamOutcome, start: float) -> dict[str, Any]
         "e2el_s": None if o.done_at is None else o.done_at - o.sent_at,
         "trace_prompt_len": req.prompt_len,
         "trace_output_len": req.output_len,
+        "slo_class": req.slo.name if req.slo else None,
         "prompt_tokens": o.prompt_tokens,
         "cached_tokens": o.cached_tokens,
         "output_tokens": len(times),
@@ -129,6 +157,7 @@ def format_pass(row: dict[str, Any], ttft_slo_s: float, tbt_slo_s: float) -> str
                  [[name, *(_ms(lat[key][q]) for q in ("mean", "p50", "p90", "p99"))]
                   for key, name in DISTRIBUTIONS])
     goodput = row["goodput_rps"]
+    every_gap = row.get("goodput_every_gap_rps")
     tok_s = row["throughput_tok_s"]
     req_s = row["request_throughput_rps"]
     gap = row.get("max_gap_s")
@@ -141,12 +170,19 @@ def format_pass(row: dict[str, Any], ttft_slo_s: float, tbt_slo_s: float) -> str
         f"TPOT <= {tbt_slo_s * 1000:g} ms {_pct(row['tpot_attainment'])}; longest gap "
         f"{'-' if gap is None else f'{gap:.2f} s'}, {row.get('stall_s') or 0:.1f} s of gaps "
         "over the TBT SLO",
-        f"goodput {'-' if goodput is None else f'{goodput:.3g}'} req/s; throughput "
+        f"goodput {'-' if goodput is None else f'{goodput:.3g}'} req/s (TTFT and TPOT, as "
+        f"vLLM counts it; every gap: {'-' if every_gap is None else f'{every_gap:.3g}'}); "
+        "throughput "
         f"{'-' if req_s is None else f'{req_s:.3g}'} req/s, "
         f"{'-' if tok_s is None else f'{tok_s:.1f}'} output tok/s; tokens: "
         f"{row['prompt_tokens']} prompt, {row['output_tokens']} output"
         + (f"; server rotations {row['rotations']}" if row["rotations"] is not None else ""),
     ]
+    for name, c in sorted((row.get("per_class") or {}).items()):
+        lines.append(f"class {name}: {c['requests']} requests, TTFT {_pct(c['ttft_attainment'])}, "
+                     f"TBT {_pct(c['tbt_attainment'])}, TPOT {_pct(c['tpot_attainment'])}, "
+                     f"goodput {_num(c['goodput_rps'], 3)} req/s")
+    lines += format_misses(row)
     pc = row.get("server_prefix_cache") or {}
     if row.get("cached_tokens") is not None or any(v for v in pc.values()):
         rate = row.get("prefix_cache_hit_rate")
@@ -169,16 +205,32 @@ def format_pass(row: dict[str, Any], ttft_slo_s: float, tbt_slo_s: float) -> str
     return "\n".join(lines)
 
 
+def format_misses(row: dict[str, Any]) -> list[str]:
+    """The server's breakdown of the missed requests' time (lines; none without it)."""
+    lines = []
+    for slo, what in (("ttft", "missed TTFT"), ("tbt", "missed a gap")):
+        m = (row.get("server_misses") or {}).get(slo)
+        if not m:
+            continue
+        total = sum(m.get(p, 0.0) for p in PHASE_NAMES)
+        shares = ", ".join(f"{p} {100 * m.get(p, 0.0) / total:.0f}%" if total else f"{p} -"
+                           for p in PHASE_NAMES)
+        lines.append(f"server: {int(m['requests'])} requests {what}; of that time ({total:.1f} s) "
+                     f"{shares}")
+    return lines
+
+
 def format_sweep(rows: Sequence[dict[str, Any]]) -> str:
     def pct(v: float | None) -> str:
         return _pct(v).rstrip("%")
 
     return table(
-        ["label", "RPS", "done", "failed", "TTFT%", "TBT%", "p50TTFT s", "p99TTFT s",
-         "p50TBT s", "p99TBT s", "goodput", "tok/s"],
+        ["label", "RPS", "done", "failed", "TTFT%", "TBT%", "TPOT%", "p50TTFT s", "p99TTFT s",
+         "p50TBT s", "p99TBT s", "goodput", "ev-gap", "tok/s"],
         [[r["policy"], f"{r['rps']:g}", r["completed"], r["failed"], pct(r["ttft_attainment"]),
-          pct(r["tbt_attainment"]), _num(r["p50_ttft_s"], 2), _num(r["p99_ttft_s"], 2),
-          _num(r["p50_tbt_s"], 3), _num(r["p99_tbt_s"], 3), _num(r["goodput_rps"], 2),
+          pct(r["tbt_attainment"]), pct(r.get("tpot_attainment")), _num(r["p50_ttft_s"], 2),
+          _num(r["p99_ttft_s"], 2), _num(r["p50_tbt_s"], 3), _num(r["p99_tbt_s"], 3),
+          _num(r["goodput_rps"], 2), _num(r.get("goodput_every_gap_rps"), 2),
           _num(r["throughput_tok_s"], 1)]
          for r in rows],
     )
