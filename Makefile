@@ -31,10 +31,14 @@ generate-demo: venv
 
 # One torch thread per process in tests: the suite runs several model processes at once
 # on a 2-core machine, where OpenMP threads spin against each other (10x slower).
+# The executor's C++ kernels are built first, once (~1 min; cached), so that the tests'
+# processes load them instead of waiting on one build (a failed build: the torch path).
 test: venv
+	-$(BIN)/python -m worker.kernels
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -m "not slow"
 
 test-all: venv
+	-$(BIN)/python -m worker.kernels
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests
 
 # The policies on the real stack, ~15 minutes: docs/results/experiment/.

@@ -14,6 +14,11 @@ from dataclasses import dataclass, fields
 GIB = 1 << 30
 # The values of --policy (scheduler_svc/policy/__init__.py builds one policy per name).
 POLICY_NAMES = ("lvf", "fcfs", "swapped-first", "waiting-first")
+# The values of --dtype: the executor's number formats (worker/formats.py says what each
+# is and needs; auto: the fastest this machine runs that passes the quality check).
+# float16 is kept for old command lines and runs as bfloat16.
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "int8", "int4", "gguf", "float16")
+KV_DTYPE_NAMES = ("auto", "float32", "bfloat16")  # auto: float32 with float32 weights, else bf16
 
 
 def _optional_float(text: str) -> float | None:
@@ -34,7 +39,8 @@ class EngineConfig:
     # it holds at once; one more is refused with RESOURCE_EXHAUSTED (HTTP 429). 0: no bound.
     max_queued_requests: int = 1024
     max_model_len: int | None = None  # None: the model's context length
-    dtype: str = "float32"
+    dtype: str = "auto"
+    kv_dtype: str = "auto"
     device: str = "auto"  # the worker's: auto (CUDA when torch sees it), cpu or cuda
     policy: str = "lvf"
     alpha: float = 0.3
@@ -74,8 +80,11 @@ class EngineConfig:
         if self.max_queued_requests < 0:
             raise ValueError(
                 f"--max-queued-requests must be >= 0 (0: no limit), got {self.max_queued_requests}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype}")
+        if self.kv_dtype not in KV_DTYPE_NAMES:
+            raise ValueError(
+                f"--kv-dtype must be one of {', '.join(KV_DTYPE_NAMES)}, got {self.kv_dtype}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if not self.alpha > 0:
@@ -119,10 +128,15 @@ class EngineConfig:
                        help="live requests (waiting+running+rotary) the scheduler admits; "
                             "past it clients get 429 / RESOURCE_EXHAUSTED (0: no limit)")
         g.add_argument("--max-model-len", type=int, default=None)
-        g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        g.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
+                       help="weight format: auto (the fastest this CPU runs within 2%% of "
+                            "float32's perplexity; logged), float32 (the reference), bfloat16, "
+                            "int8, int4, gguf (the file's own quantized blocks)")
+        g.add_argument("--kv-dtype", default="auto", choices=list(KV_DTYPE_NAMES),
+                       help="KV cache dtype (auto: float32 with --dtype float32, else bfloat16)")
         g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                        help="where the worker computes and keeps its KV pool (auto: the GPU "
-                            "when torch sees one; use --dtype bfloat16 there)")
+                            "when torch sees one; there --dtype auto is bfloat16)")
         s = p.add_argument_group("scheduling (RotaSched)")
         s.add_argument("--policy", default="lvf", choices=list(POLICY_NAMES))
         s.add_argument("--alpha", type=float, default=0.3)

@@ -8,6 +8,8 @@ import importlib
 # subcommand -> (module, help). Each module has `add_arguments(p)` and `run(args) -> int`.
 BENCHES = {
     "engine": ("superinfer.bench.engine", "decode throughput and TTFT vs transformers"),
+    "quality": ("superinfer.bench.quality",
+                "perplexity and greedy agreement of each executor format vs float32"),
     "sched": ("superinfer.bench.sched", "cost of one scheduling decision"),
     "transfer": ("superinfer.bench.transfer", "KV block transfer GB/s per DuplexKV mode vs raw"),
     "transfer-modes": ("superinfer.bench.transfer_modes",

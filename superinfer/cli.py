@@ -117,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         return health_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
+    from common.logging import configure_logging
+
+    # Warnings (a kernel build that failed, a --dtype fallback) go to stderr as JSON, never
+    # into a command's stdout; the services reconfigure logging for their own log files.
+    configure_logging(args.command, level=getattr(args, "log_level", None) or "warning")
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

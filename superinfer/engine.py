@@ -25,10 +25,9 @@ from common.contracts import (
     TransferPlan,
     TransferResult,
 )
-from common.dtypes import DTYPES
 from common.errors import ContextLengthError, InvalidRequestError
 from common.lane import ThreadLane
-from common.modelfile import ModelSource, resolve_model
+from common.modelfile import ModelSource
 from common.output import OutputTracker
 from common.tokenizer import Tokenizer
 from kvmem_svc.copy import LocalCopyEngine
@@ -39,9 +38,8 @@ from scheduler_svc.scheduler import RequestEvent
 from scheduler_svc.setup import build_scheduler, default_slo, model_identity
 from scheduler_svc.trace import Trace
 from worker.batches import BatchRunner
+from worker.build import BuiltModel, build_model
 from worker.grammar import GrammarBank
-from worker.loader import load_weights
-from worker.model import LlamaModel
 from worker.runner import ModelRunner, kv_block_bytes
 from worker.sampling_state import SamplingStates
 
@@ -63,19 +61,19 @@ class LLMEngine:
     source: ModelSource
     tokenizer: Tokenizer
     runner: ModelRunner
+    built: BuiltModel
 
     def __init__(self, config: EngineConfig, reuse: LLMEngine | None = None) -> None:
-        """Build the engine; `reuse` shares another engine's loaded model and tokenizer
-        (same model and dtype), so tests and benchmarks can vary pools and policies."""
+        """Build the engine; `reuse` shares another engine's loaded model, format and
+        tokenizer (its dtype wins), so tests and benchmarks can vary pools and policies."""
         self.config = config
-        dtype = DTYPES[config.dtype]
         if reuse is not None:
-            self.source, self.tokenizer = reuse.source, reuse.tokenizer
-            model = reuse.runner.model
+            self.built, self.tokenizer = reuse.built, reuse.tokenizer
         else:
-            self.source = resolve_model(config.model)
-            self.tokenizer = Tokenizer.from_source(self.source)
-            model = LlamaModel(*load_weights(self.source.path, self.source.kind, dtype))
+            self.built = build_model(config.model, config.dtype, config.kv_dtype)
+            self.tokenizer = Tokenizer.from_source(self.built.source)
+        self.source = self.built.source
+        model, dtype = self.built.model, self.built.kv_dtype
         mcfg = model.cfg
         dev, host = config.blocks_for(kv_block_bytes(mcfg, config.block_size, dtype))
         shape = KVShape(dev, mcfg.num_layers, config.block_size, mcfg.num_kv_heads, mcfg.head_dim)
@@ -83,13 +81,13 @@ class LLMEngine:
         tokenizer = self.tokenizer
         sampling = SamplingStates(mcfg.vocab_size,
                                   lambda: GrammarBank(tokenizer, mcfg.vocab_size))
-        self.runner = ModelRunner(model, kv, config.block_size, sampling)
+        self.runner = ModelRunner(model, kv, config.block_size, self.built.weights, sampling)
         self.host_pool = torch.zeros((host, *self.runner.kv.shape[1:]), dtype=dtype)
         self.copier = LocalCopyEngine(self.runner.kv, self.host_pool)
         self.max_model_len = min(config.max_model_len or mcfg.max_position, mcfg.max_position)
         self.scheduler = build_scheduler(
             config, dev, host, mcfg.max_position,
-            model_id=model_identity(str(self.source.path), config.dtype))
+            model_id=model_identity(str(self.source.path), self.built.weights))
         self.trackers: dict[str, OutputTracker] = {}
         self.logprobs: dict[str, list[TokenLogprob]] = {}
         self.prompt_logprobs: dict[str, list[TokenLogprob]] = {}

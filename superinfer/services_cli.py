@@ -41,7 +41,7 @@ PORTS = {"scheduler": 50051, "worker": 50052, "kvmem": 50053}
 GATEWAY_HTTP_PORT = 8000
 GATEWAY_GRPC_PORT = 50050
 WORKER_FLAGS = frozenset({"model", "device_blocks", "kv_memory_gib", "block_size", "dtype",
-                          "device"})
+                          "kv_dtype", "device"})
 KVMEM_FLAGS = frozenset({"host_blocks", "host_memory_gib"})
 
 

@@ -115,6 +115,29 @@ def test_short_sweep_completes_and_agrees_with_server_metrics(stack: Stack, tmp_
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_baseline_mode_runs_both_servers_at_each_concurrency(
+        stack: Stack, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The stack is also the "other" OpenAI server here: the mode's plumbing, not a speed.
+    rc, data = _bench(stack, tmp_path / "out.json", "--baseline-url", f"{stack.http_url}/v1",
+                      "--baseline-label", "again", "--streams", "1,3", "--repeats", "2",
+                      "--output-len", "4", "--prompt-len", "8-12",
+                      "--plot", str(tmp_path / "plot.png"))
+    assert rc == 0 and data is not None
+    assert "tok/s ratio" in capsys.readouterr().out
+    passes = data["passes"]
+    assert sorted((p["repeat"], p["streams"], p["side"]) for p in passes) == sorted(
+        (r, c, s) for r in (0, 1) for c in (1, 3) for s in ("ours", "baseline"))
+    for p in passes:
+        assert p["failed"] == 0 and p["requests"] == p["streams"]
+        assert p["output_tokens"] == 4 * p["streams"]
+        assert p["tok_s"] > 0 and p["itl_ms"] > 0 and p["ttft_s"] > 0
+    assert [r["streams"] for r in data["summary"]] == [1, 3]
+    for r in data["summary"]:
+        assert r["tok_s_ratio"] > 0 and r["ours"]["tok_s"] > 0 and r["baseline"]["tok_s"] > 0
+    assert data["config"]["cpu"]["cores"] >= 1 and data["config"]["labels"]["baseline"] == "again"
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_chat_endpoint_with_a_sharegpt_file(stack: Stack, tmp_path: Path) -> None:
     dataset = tmp_path / "sharegpt.json"
     dataset.write_text(json.dumps(SHAREGPT))

@@ -50,6 +50,9 @@ def test_prompt_longer_than_context() -> None:
 
 
 def test_generate_prints_text() -> None:
-    p = generate("--prompt", "What is the capital of France?", "--chat", "--max-tokens", "12")
+    # float32, the reference: the first token is a near-tie ("The" 25.33 vs "L" 25.24) that
+    # the quantized default format may break the other way (its answer: "L'Étoile, ...").
+    p = generate("--prompt", "What is the capital of France?", "--chat", "--max-tokens", "12",
+                 "--dtype", "float32")
     assert p.returncode == 0, p.stderr
     assert "Paris" in p.stdout

@@ -44,7 +44,7 @@ PROMPTS: list[tuple[str, bool]] = [
 
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(device_blocks=512, host_blocks=0))
+    return LLMEngine(EngineConfig(device_blocks=512, host_blocks=0, dtype="float32"))
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,9 @@
 The file is read through `common.modelfile.read_gguf` (the project's one GGUF reader:
 metadata and tensor directory); tensors are dequantized with `gguf.quants`. llama.cpp
 stores attn_q/attn_k rows permuted for its interleaved RoPE; they are put back into the
-rotate-half order here.
+rotate-half order here. `load_gguf_blocks` gives the same matrices as the file's raw
+quantized blocks (rows reordered the same way, which is exact: a row is whole blocks),
+for the executor formats that keep them quantized (worker/weights.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from worker.model_config import (
     llama3_scaling_from_freq_factors,
     unpermute_rows,
 )
+from worker.quant import RawMatrix
 
 # In GGUF files converted by llama.cpp these have attn_q/attn_k rows permuted for its
 # interleaved ("normal") RoPE; qwen2 uses the NeoX (rotate-half) style and is not permuted.
@@ -288,6 +291,30 @@ def load_gguf(path: pathlib.Path, dtype: torch.dtype) -> tuple[ModelConfig, dict
 
     check_complete(cfg, weights, where, gguf_name)
     return cfg, weights
+
+
+def load_gguf_blocks(path: pathlib.Path, cfg: ModelConfig) -> dict[str, RawMatrix]:
+    """Every 2-D tensor of the file as raw blocks, by standardized name ("layers.3.q_proj",
+    "embed_tokens", ...), q/k rows in rotate-half order. Call after `load_gguf` (which
+    checked the file); the blocks are read from the file mapping."""
+    from gguf import GGMLQuantizationType
+
+    gf = read_gguf(path)
+    permute = cfg.architecture in _GGUF_PERMUTED_QK
+    out: dict[str, RawMatrix] = {}
+    for gname, t in gf.tensors.items():
+        std = _gguf_std_name(gname)
+        if std is None or len(t.shape) != 2:
+            continue
+        n, k = t.shape
+        raw = RawMatrix(GGMLQuantizationType(t.qtype).name, n, k, gf.raw(t))
+        if permute and std.endswith(("q_proj", "k_proj")):
+            heads = cfg.num_heads if std.endswith("q_proj") else cfg.num_kv_heads
+            raw = raw.permute_rows(unpermute_rows(np.arange(n), heads))
+        out[std] = raw
+    if cfg.tie_embeddings and "embed_tokens" in out:
+        out["lm_head"] = out["embed_tokens"]
+    return out
 
 
 def _type_name(qtype: int) -> str:

@@ -1,47 +1,30 @@
 """A Llama-family decoder (Llama, SmolLM, Qwen2, Mistral) over a paged, block-first KV cache.
 
 The KV pool is ONE tensor [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-(DESIGN §2). A batch is a flat run of tokens from several requests: linear layers see all
-of them at once; attention runs per group (all decode tokens together, each prefill chunk
-on its own) and reads each request's cached prefix through its block table.
+(DESIGN §2). A batch is a flat run of tokens from several requests (`PagedMeta`): the
+matrices see all of them at once, attention reads each request's context through its
+block table where it lies in the pool.
+
+The matrices are held in one or more weight sets (worker/weights.py), built from the
+loader's dense weights or the GGUF file's own blocks; the residual stream is fp32 and each
+norm emits the dtype the next matmul takes. Two forward paths over the same weights:
+
+* the C++ layer loop (csrc/model.cpp), with the GIL released, when the kernels are built;
+* the same steps in plain torch ops otherwise (any machine; no q4/q8 matrices).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from worker.loader import ModelConfig
-
-
-@dataclass(slots=True)
-class AttentionGroup:
-    """Tokens [q_start, q_end) of the flat batch that attend with one layout."""
-
-    q_start: int
-    q_end: int
-    # Decode group: one query per request, block_tables [B, max_blocks] (padded with 0).
-    # Prefill group (B = 1): one chunk, start_pos = its first position.
-    block_tables: torch.Tensor
-    start_pos: int
-    is_decode: bool
-    mask: torch.Tensor | None = None  # [B, 1, Lq, Lk] boolean, True = attend
-    # Fresh prompts (no cached prefix) padded into one batch: pad_index [n] maps each of
-    # the group's rows to its slot in a [B * max_len] padded layout.
-    pad_index: torch.Tensor | None = None
-    pad_shape: tuple[int, int] = (0, 0)  # (B, max_len)
-
-
-@dataclass(slots=True)
-class BatchMeta:
-    positions: torch.Tensor  # [T] position of every token
-    slot_blocks: torch.Tensor  # [T] device block each token's K/V is written to
-    slot_offsets: torch.Tensor  # [T] offset inside that block
-    groups: list[AttentionGroup]
-    logits_index: torch.Tensor  # [S] rows of the flat batch whose next token is sampled
+from worker.attention import PagedMeta, TorchAttention, sdpa_fresh
+from worker.model_config import ModelConfig
+from worker.quant import RawMatrix, concat_rows
+from worker.weights import LayerWeights, MatrixSource, WeightSet, make_linear
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -69,137 +52,139 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     raise ValueError(f"unsupported rope_scaling type {kind!r}")
 
 
-class LlamaModel:
-    """Weights plus a forward pass; no nn.Module machinery is needed for inference."""
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts, 0).contiguous()
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+
+class LlamaModel:
+    """Embeddings, norms and RoPE tables in fp32, and the matrices per weight set."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
+                 blocks: dict[str, RawMatrix] | None = None, ops: Any | None = None) -> None:
+        """`weights`: the loader's dense fp32 tensors (worker/loader.py names); `blocks`:
+        the same matrices as GGUF blocks, when the file has them; `ops`: the C++ kernels
+        (worker/kernels.py), None for the pure-torch path."""
         self.cfg = cfg
-        self.w = weights
-        self.layers = [self._fuse(weights, i) for i in range(cfg.num_layers)]
-        for key in [k for k in weights if k.startswith("layers.")]:
-            del weights[key]  # the fused copies above replace them
-        inv = rope_inv_freq(cfg)
-        t = torch.arange(cfg.max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv)  # [P, hd/2]
-        self.cos = freqs.cos()
-        self.sin = freqs.sin()
+        self.ops = ops
+        w, raw = weights, blocks or {}
+        self.embed = w["embed_tokens"].float().contiguous()  # [V, D]
+        self.norm = w["norm"].float().contiguous()
+        self.in_norm = [w[f"layers.{i}.input_norm"].float().contiguous() for i in range(cfg.num_layers)]
+        self.post_norm = [w[f"layers.{i}.post_norm"].float().contiguous() for i in range(cfg.num_layers)]
+        self._sources: list[dict[str, MatrixSource]] | None = [
+            self._layer_sources(w, raw, i) for i in range(cfg.num_layers)]
+        self._head_source: MatrixSource | None = MatrixSource(
+            lambda: w["lm_head"].float(), raw.get("lm_head"))
+        freqs = torch.outer(torch.arange(cfg.max_position, dtype=torch.float32), rope_inv_freq(cfg))
+        self.cos = freqs.cos().contiguous()  # [P, hd/2]
+        self.sin = freqs.sin().contiguous()
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.sets: dict[str, WeightSet] = {}
+        self._cpp: dict[str, Any] = {}
 
     @staticmethod
-    def _fuse(weights: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
-        """One layer's weights with q/k/v and gate/up each fused into one matrix: two
-        matmuls fewer per layer, which matters at small batch on a CPU."""
-        w = {k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")}
-        out = {k: w[k] for k in ("input_norm", "post_norm", "o_proj", "down_proj")}
-        out["qkv"] = torch.cat((w["q_proj"], w["k_proj"], w["v_proj"]), 0).contiguous()
-        if "q_bias" in w:
-            out["qkv_bias"] = torch.cat((w["q_bias"], w["k_bias"], w["v_bias"]), 0)
-        out["gate_up"] = torch.cat((w["gate_proj"], w["up_proj"]), 0).contiguous()
-        return out
+    def _layer_sources(w: dict[str, torch.Tensor], raw: dict[str, RawMatrix],
+                       i: int) -> dict[str, MatrixSource]:
+        p = f"layers.{i}."
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.w["embed_tokens"].dtype
+        def fused(names: tuple[str, ...]) -> MatrixSource:
+            parts = [raw.get(p + n) for n in names]
+            blocks = None if any(r is None for r in parts) else concat_rows(parts)  # type: ignore[arg-type]
+            return MatrixSource(lambda: _cat([w[p + n] for n in names]), blocks)
 
-    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 like the reference implementations, whatever the weight dtype.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
-        return xf.to(x.dtype) * w
+        qkv = fused(("q_proj", "k_proj", "v_proj"))
+        if p + "q_bias" in w:
+            qkv.bias = _cat([w[p + b] for b in ("q_bias", "k_bias", "v_bias")]).float()
+        return {"qkv": qkv, "o": fused(("o_proj",)), "gate_up": fused(("gate_proj", "up_proj")),
+                "down": fused(("down_proj",))}
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, H, hd]; rotate-half convention; cos/sin: [T, 1, hd/2]
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    # -- weight sets ---------------------------------------------------------------------
+    def add_weights(self, name: str, layers: str, head: str,
+                    dense_fallback: torch.dtype = torch.float32) -> WeightSet:
+        """Build (once) the weight set `name`: every layer matrix in format `layers`, the
+        head in `head` (worker/weights.py), dense in `dense_fallback` where a matrix cannot
+        take its format."""
+        if name in self.sets:
+            return self.sets[name]
+        if self._sources is None or self._head_source is None:
+            raise RuntimeError(f"weight set {name!r}: the source weights were released")
+        built = [LayerWeights(*(make_linear(src[k], layers, dense_fallback)
+                                for k in ("qkv", "o", "gate_up", "down")))
+                 for src in self._sources]
+        ws = WeightSet(name, built, make_linear(self._head_source, head, dense_fallback))
+        self.sets[name] = ws
+        return ws
 
+    def keep_only(self, name: str) -> None:
+        """Drop every other weight set and the loader's dense matrices (memory)."""
+        for other in [n for n in self.sets if n != name]:
+            del self.sets[other]
+            self._cpp.pop(other, None)
+        self._sources = None
+        self._head_source = None
+
+    def _cpp_model(self, name: str) -> Any:
+        m = self._cpp.get(name)
+        if m is None:
+            ws = self.sets[name]
+            cfg = self.cfg
+            assert self.ops is not None
+            m = self.ops.Model(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+                               self.cos, self.sin)
+            for i, lw in enumerate(ws.layers):
+                m.add_layer(self.in_norm[i], self.post_norm[i], [x.cpp_spec() for x in lw.all()])
+            m.set_head(self.norm, ws.head.cpp_spec())
+            self._cpp[name] = m
+        return m
+
+    # -- forward -------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: BatchMeta, kv: torch.Tensor) -> torch.Tensor:
-        """Run the flat batch, write its K/V into `kv`, return logits [S, V] of sampled rows."""
+    def forward(self, name: str, meta: PagedMeta, kv: torch.Tensor) -> torch.Tensor:
+        """Run the flat batch with weight set `name`, write its K/V into `kv`, return fp32
+        logits [S, V] of rows meta.logits_index."""
+        x = self.embed.index_select(0, meta.input_ids)  # [T, D] fp32
+        if self.ops is not None:
+            return self._cpp_model(name).forward(
+                x, meta.positions, meta.slot_blocks, meta.slot_offsets, kv, meta.tables,
+                meta.qrow, meta.ctx, meta.paged_idx, meta.fresh, meta.logits_index)
+        return self._forward_torch(self.sets[name], x, meta, kv)
+
+    def _forward_torch(self, ws: WeightSet, x: torch.Tensor, meta: PagedMeta,
+                       kv: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        T = input_ids.shape[0]
+        T = x.shape[0]
         hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        x = F.embedding(input_ids, self.w["embed_tokens"])  # [T, D]
-        cos = self.cos[meta.positions].unsqueeze(1).to(x.dtype)  # [T, 1, hd/2]
-        sin = self.sin[meta.positions].unsqueeze(1).to(x.dtype)
-        for li, lw in enumerate(self.layers):
-            h = self._rms(x, lw["input_norm"])
-            qkv = F.linear(h, lw["qkv"], lw.get("qkv_bias"))  # [T, (Hq + 2 Hkv) hd]
-            q = qkv[:, : hq * hd].view(T, hq, hd)
-            k = qkv[:, hq * hd : (hq + hkv) * hd].view(T, hkv, hd)
-            v = qkv[:, (hq + hkv) * hd :].view(T, hkv, hd)
-            q = self._rope(q, cos, sin)
-            k = self._rope(k, cos, sin)
-            # Write this step's K/V into the pool: kv[block, layer, {K,V}, offset] = ...
+        cos = self.cos[meta.positions].unsqueeze(1)  # [T, 1, hd/2]
+        sin = self.sin[meta.positions].unsqueeze(1)
+        paged = TorchAttention(meta, kv, self.scale) if meta.paged_idx.numel() else None
+        for li, lw in enumerate(ws.layers):
+            h = _rms(x, self.in_norm[li], cfg.rms_norm_eps)
+            qkv = lw.qkv(h).float()  # [T, (Hq + 2 Hkv) hd]
+            q = _rope(qkv[:, : hq * hd].view(T, hq, hd), cos, sin)
+            k = _rope(qkv[:, hq * hd: (hq + hkv) * hd].view(T, hkv, hd), cos, sin)
+            v = qkv[:, (hq + hkv) * hd:].view(T, hkv, hd)
             kv[meta.slot_blocks, li, :, meta.slot_offsets] = torch.stack((k, v), 1).to(kv.dtype)
-            attn = torch.empty(T, hq, hd, dtype=x.dtype)
-            for g in meta.groups:
-                attn[g.q_start : g.q_end] = self._attend(q[g.q_start : g.q_end], k, v, g, kv, li)
-            x = x + F.linear(attn.view(T, hq * hd), lw["o_proj"])
-            h = self._rms(x, lw["post_norm"])
-            gate, up = F.linear(h, lw["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, lw["down_proj"])
-        x = self._rms(x[meta.logits_index], self.w["norm"])
-        return F.linear(x, self.w["lm_head"]).float()
+            attn = torch.empty(T, hq, hd)
+            if paged is not None:
+                paged(q, attn, kv, li)
+            if meta.fresh:
+                qkv_r = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), 1)
+                sdpa_fresh(qkv_r, attn.view(T, hq * hd), meta.fresh, hq, hkv, hd, self.scale)
+            x = x + lw.o(attn.view(T, hq * hd)).float()
+            h = _rms(x, self.post_norm[li], cfg.rms_norm_eps)
+            gate, up = lw.gate_up(h).chunk(2, dim=-1)
+            x = x + lw.down(F.silu(gate) * up).float()
+        hs = _rms(x.index_select(0, meta.logits_index), self.norm, cfg.rms_norm_eps)
+        return ws.head(hs).float()
 
-    def _attend(
-        self,
-        q: torch.Tensor,
-        k_new: torch.Tensor,
-        v_new: torch.Tensor,
-        g: AttentionGroup,
-        kv: torch.Tensor,
-        layer: int,
-    ) -> torch.Tensor:
-        # q: [n, Hq, hd] -> returns [n, Hq, hd]
-        if g.pad_index is not None:
-            # Fresh prompts: their own K/V is their whole context. Pad them into one batch
-            # [B, L] and run causal attention once for all of them.
-            B, L = g.pad_shape
 
-            def pad(t: torch.Tensor) -> torch.Tensor:
-                out = t.new_zeros(B * L, *t.shape[1:])
-                out[g.pad_index] = t
-                return out.view(B, L, *t.shape[1:]).transpose(1, 2)  # [B, H, L, hd]
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [T, D] fp32
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
-            o = F.scaled_dot_product_attention(
-                pad(q), pad(k_new[g.q_start : g.q_end]).to(q.dtype),
-                pad(v_new[g.q_start : g.q_end]).to(q.dtype),
-                attn_mask=g.mask, scale=self.scale, enable_gqa=True,
-            )  # [B, Hq, L, hd]
-            return o.transpose(1, 2).reshape(B * L, *q.shape[1:])[g.pad_index]
-        if not g.is_decode and g.start_pos == 0:
-            # A fresh prompt chunk: its own K/V is the whole context, plain causal attention.
-            kk = k_new[g.q_start : g.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, hd]
-            vv = v_new[g.q_start : g.q_end].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                q.transpose(0, 1).unsqueeze(0), kk.to(q.dtype), vv.to(q.dtype),
-                is_causal=True, scale=self.scale, enable_gqa=True,
-            )
-            return o[0].transpose(0, 1)
-        # Gather each request's cached K and V of this layer through its block table:
-        # [B, nb, bs, Hkv, hd], contiguous, so the reshape below is free.
-        # (index_select, not advanced indexing: 2.4x faster here for the same gather.)
-        B, nb = g.block_tables.shape
-        flat = g.block_tables.reshape(-1)
-        k = kv[:, layer, 0].index_select(0, flat).view(B, nb * kv.shape[3], *kv.shape[4:])
-        v = kv[:, layer, 1].index_select(0, flat).view(B, nb * kv.shape[3], *kv.shape[4:])
-        k = k.transpose(1, 2).to(q.dtype)  # [B, Hkv, L, hd]
-        v = v.transpose(1, 2).to(q.dtype)
-        hkv = k.shape[1]
-        grp = q.shape[1] // hkv
-        n = 1 if g.is_decode else q.shape[0]
-        # Fold the query heads that share a KV head into the query axis, so attention runs
-        # per KV head with no copies of K/V for grouped-query attention.
-        if g.is_decode:
-            qq = q.view(B, hkv, grp, -1)  # [B, Hkv, grp, hd]: row j of group = head h*grp+j
-            mask = g.mask  # [B, 1, 1, L], the same for every folded row
-        else:
-            # [n, Hq, hd] -> [1, Hkv, grp*n, hd]; rows ordered (head-in-group, position)
-            qq = q.view(n, hkv, grp, -1).permute(1, 2, 0, 3).reshape(1, hkv, grp * n, -1)
-            mask = None if g.mask is None else g.mask.repeat(1, 1, grp, 1)
-        o = F.scaled_dot_product_attention(qq, k, v, attn_mask=mask, scale=self.scale)
-        if g.is_decode:
-            return o.reshape(B, hkv * grp, -1)  # [B, Hq, hd]
-        return o.view(hkv, grp, n, -1).permute(2, 0, 1, 3).reshape(n, hkv * grp, -1)
 
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, H, hd], rotate-half convention; cos/sin: [T, 1, hd/2]
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

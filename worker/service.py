@@ -21,18 +21,18 @@ import torch
 from common.config import EngineConfig
 from common.contracts import PLACEHOLDER, KVShape, ScheduledChunk
 from common.daemon import Daemon, run_daemon
-from common.dtypes import DTYPES
+from common.dtypes import DTYPE_NAMES, DTYPES
 from common.modelfile import resolve_model
 from common.shm import SegmentRecord
 from common.tokenizer import Tokenizer
 from common.wire import chunk_from_proto, result_to_proto
 from proto import scheduler_pb2, worker_pb2, worker_pb2_grpc
 from worker.batches import BatchRunner, OutOfOrder
+from worker.build import BuiltModel, build_model
 from worker.cuda.device import DeviceError, resolve_device
 from worker.grammar import GrammarBank
 from worker.kv_pool import DevicePool
 from worker.loader import load_weights
-from worker.model import LlamaModel
 from worker.runner import ModelRunner, kv_block_bytes
 from worker.sampling_state import MissingState, SamplingStates
 
@@ -46,6 +46,17 @@ MAX_LOGPROBS = 20  # top logprobs per token (the scheduler's SamplingParams limi
 # On the CPU the pool is a shared-memory segment; on CUDA (worker/cuda/, `--device`) the
 # pool is a GPU tensor exported with a CUDA IPC handle.
 POOL_DEVICE = "cpu"
+
+
+def cuda_dtype(requested: str) -> torch.dtype:
+    """--dtype on the CUDA worker: dense weights; auto is bfloat16, and the CPU executor's
+    quantized formats (int8, int4, gguf) run as bfloat16 there, with a warning."""
+    if requested in DTYPES:
+        return DTYPES[requested]
+    if requested != "auto":
+        log.warning("dtype_fallback", requested=requested, using="bfloat16",
+                    why="the CUDA worker runs dense weights only")
+    return torch.bfloat16
 
 
 @dataclass(slots=True)
@@ -66,15 +77,23 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     async def load(self) -> None:
         cfg = self.config
-        dtype = DTYPES[cfg.dtype]
         t0 = time.perf_counter()
-        source = resolve_model(cfg.model)
-        mcfg, weights = await asyncio.to_thread(load_weights, source.path, source.kind, dtype)
+        device = resolve_device(cfg.device)
+        built: BuiltModel | None = None
+        if device == "cpu":  # the CPU executor: its format by --dtype (worker/formats.py)
+            built = await asyncio.to_thread(build_model, cfg.model, cfg.dtype, cfg.kv_dtype)
+            source, mcfg, dtype, fmt = built.source, built.model.cfg, built.kv_dtype, built.weights
+            weights: dict[str, torch.Tensor] = {}
+        elif device == "cuda":
+            dtype = cuda_dtype(cfg.dtype)
+            source = resolve_model(cfg.model)
+            mcfg, weights = await asyncio.to_thread(load_weights, source.path, source.kind, dtype)
+            fmt = DTYPE_NAMES[dtype]
+        else:
+            raise DeviceError(f"no executor for device {device!r}")
         num_blocks, _ = cfg.blocks_for(kv_block_bytes(mcfg, cfg.block_size, dtype))
         shape = KVShape(num_blocks, mcfg.num_layers, cfg.block_size, mcfg.num_kv_heads,
                         mcfg.head_dim)
-        device = resolve_device(cfg.device)
-        cpu_model = LlamaModel(mcfg, weights) if device == "cpu" else None
         if self.segments is not None:
             reaped = self.segments.reap()
             if reaped:
@@ -83,19 +102,18 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # Nothing may fail between making the pool and recording it (stop() unlinks it).
         # A stop during the load above cancels this coroutine there: no pool is made.
         runner: ModelRunner | CudaModelRunner
-        if device == "cuda":
-            from worker.cuda.setup import load_cuda  # Triton loads only on this path
-
-            runner, pool = await asyncio.to_thread(load_cuda, mcfg, weights, shape.shape,
-                                                   dtype, cfg)
-        elif cpu_model is not None:
+        if built is not None:
             pool = DevicePool.create(shape.shape, dtype, POOL_DEVICE)
             # Grammars need the tokenizer; it is built the first time one comes (~1 s).
             sampling = SamplingStates(mcfg.vocab_size, lambda: GrammarBank(
                 Tokenizer.from_source(source), mcfg.vocab_size))
-            runner = ModelRunner(cpu_model, pool.tensor, cfg.block_size, sampling)
+            runner = ModelRunner(built.model, pool.tensor, cfg.block_size, built.weights,
+                                 sampling)
         else:
-            raise DeviceError(f"no executor for device {device!r}")
+            from worker.cuda.setup import load_cuda  # Triton loads only on this path
+
+            runner, pool = await asyncio.to_thread(load_cuda, mcfg, weights, shape.shape,
+                                                   dtype, cfg)
         info = scheduler_pb2.ModelInfo(
             name=source.name,
             max_model_len=mcfg.max_position,
@@ -104,7 +122,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             num_kv_heads=mcfg.num_kv_heads,
             head_dim=mcfg.head_dim,
             block_size=cfg.block_size,
-            dtype=cfg.dtype,
+            # the executor format (its KV cache matches it: scheduler_svc model_identity)
+            dtype=fmt,
             source_kind=source.kind,
             source_path=str(source.path),
         )
@@ -114,7 +133,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         handle = pool.handle()
         if self.segments is not None and handle.shm_name:
             self.segments.add(handle.shm_name)
-        log.info("loaded", model=source.name, device_blocks=num_blocks,
+        log.info("loaded", model=source.name, weights=fmt, device=device, device_blocks=num_blocks,
                  pool_gib=round(handle.nbytes / 2**30, 3), pool_id=pool.pool_id,
                  pool=handle.shm_name or handle.kind, load_s=round(time.perf_counter() - t0, 2))
 

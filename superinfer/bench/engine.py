@@ -1,7 +1,9 @@
 """Decode throughput and TTFT of the engine vs transformers' generate(), same batch sizes.
 
-Both sides run the same prompts (one per batch slot), fp32, greedy, a fixed number of
-new tokens with EOS ignored, in this process one after the other. Timings on a shared
+Both sides run the same prompts (one per batch slot), greedy, a fixed number of new
+tokens with EOS ignored, in this process one after the other: transformers in fp32, the
+engine in `--dtype` (default auto, as `superinfer serve`: the executor's fastest format
+that passes the quality check; float32 compares like with like). Timings on a shared
 CPU are noisy: read the ratio, not the absolute numbers, and repeat when in doubt.
 """
 
@@ -14,7 +16,7 @@ from typing import Any
 
 import torch
 
-from common.config import EngineConfig
+from common.config import DTYPE_NAMES, EngineConfig
 from scheduler_svc.request import SamplingParams
 from superinfer.bench.report import table, write_json
 from superinfer.engine import LLMEngine
@@ -38,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
+                   help="the engine's weight format (default auto, as the server's)")
 
 
 def _ours(engine: LLMEngine, prompts: list[list[int]], new: int) -> tuple[float, float]:
@@ -87,7 +91,9 @@ def run(args: argparse.Namespace) -> int:
     # Prefix caching off: every repeat runs the same prompts, and this measures the forward
     # pass (a cached prompt's TTFT would say nothing about it).
     engine = LLMEngine(EngineConfig(device_blocks=2048, host_blocks=0,
-                                    max_batched_tokens=4096, enable_prefix_caching=False))
+                                    max_batched_tokens=4096, dtype=args.dtype,
+                                    enable_prefix_caching=False))
+    fmt = engine.built.format.name
     hf = None
     if not args.no_hf:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -117,9 +123,9 @@ def run(args: argparse.Namespace) -> int:
         rows.append(row)
         print(f"batch {b}: done", flush=True)
     keys = list(rows[0].keys())
-    print(f"engine vs transformers, bundled model, fp32, {args.new_tokens} new tokens, "
+    print(f"engine ({fmt}) vs transformers (fp32), bundled model, {args.new_tokens} new tokens, "
           f"{torch.get_num_threads()} threads (ratios > 1: SuperInfer ahead)")
     print(table(keys, [[r.get(k, "") for k in keys] for r in rows]))
-    write_json(args.json, {"new_tokens": args.new_tokens, "threads": torch.get_num_threads(),
+    write_json(args.json, {"dtype": fmt, "new_tokens": args.new_tokens, "threads": torch.get_num_threads(),
                            "repeats": args.repeats, "results": rows})
     return 0

@@ -121,7 +121,11 @@ def run_greedy(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
     blocks = sum(len(t) for t in tables_for([len(p) + n for p in prompts], bs))
     kv_shape = (blocks, mcfg.num_layers, 2, bs, mcfg.num_kv_heads, mcfg.head_dim)
     cuda_model = CudaLlama(mcfg, dict(weights), device, dtype)  # a copy: LlamaModel eats its dict
-    ref = ModelRunner(LlamaModel(mcfg, weights), torch.zeros(kv_shape), bs)
+    from worker import kernels
+
+    ref_model = LlamaModel(mcfg, weights, None, kernels.load())  # the fp32 CPU reference
+    ref_model.add_weights("float32", "fp32", "fp32")
+    ref = ModelRunner(ref_model, torch.zeros(kv_shape), bs, "float32")
     t0 = time.perf_counter()
     want = greedy_tokens(ref.execute, prompts, n, bs)
     ref_s = time.perf_counter() - t0

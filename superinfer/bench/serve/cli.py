@@ -101,6 +101,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--think-time after the previous reply, whichever is later")
     w.add_argument("--think-time", type=float, default=0.0, metavar="S",
                    help="multi-turn: seconds between a reply and the next turn")
+    b = p.add_argument_group(
+        "baseline mode (superinfer/bench/serve/baseline.py): the same streamed workload "
+        "against --base-url and --baseline-url at each of --streams, interleaved, with ratios")
+    b.add_argument("--baseline-url", default=None,
+                   help="the other server's OpenAI API root, e.g. llama-server's "
+                        "http://127.0.0.1:8090/v1 (turns baseline mode on)")
+    b.add_argument("--baseline-label", default="baseline")
+    b.add_argument("--baseline-model", default=None,
+                   help="model name there (default: the first of its GET /models)")
+    b.add_argument("--baseline-api-key", default=None)
+    b.add_argument("--streams", type=_counts, default=[1, 8, 32], metavar="A,B,C",
+                   help="concurrent streams per pass (default 1,8,32)")
+    b.add_argument("--repeats", type=int, default=2, help="passes per server and concurrency")
+    b.add_argument("--requests-per-stream", type=int, default=1)
+    b.add_argument("--prompt-len", default="111-194", help="prompt tokens, N or LO-HI")
+    b.add_argument("--output-len", type=int, default=128)
+    b.add_argument("--note", default=None, help="free text stored in the JSON config")
     o = p.add_argument_group("SLOs and output")
     o.add_argument("--ttft-slo", type=positive(float), default=5.0, help="S_B, seconds")
     o.add_argument("--tbt-slo", type=positive(float), default=0.1, help="S_F, seconds")
@@ -114,6 +131,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--plot", default=None, metavar="PATH.png",
                    help="TTFT and TBT attainment vs RPS (matplotlib)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected counts like 1,8,32, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive counts, got {text!r}")
+    return vals
 
 
 def _die(msg: str) -> int:
@@ -202,6 +229,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.baseline_url:
+        from superinfer.bench.serve.baseline import run_baseline
+
+        if args.repeats < 1 or args.requests_per_stream < 1 or args.output_len < 1:
+            raise BenchError("--repeats, --requests-per-stream and --output-len must be >= 1")
+        probe_target = Target(args.base_url, args.endpoint, args.api_key, args.timeout)
+        models = asyncio.run(probe(probe_target))
+        tok, _ = _tokenizer(args.tokenizer, args.model or (models[0] if models else ""))
+        return run_baseline(args, tok)
     _check(args)
     target = Target(args.base_url, args.endpoint, args.api_key, args.timeout, args.max_concurrency)
     models = asyncio.run(probe(target))

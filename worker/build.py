@@ -1,0 +1,120 @@
+"""Load a model and choose its executor format: what the worker service and the in-process
+engine both start with.
+
+`build_model` reads the weights (dense fp32 from the loader, plus the GGUF file's own
+blocks), loads the C++ kernels when they build, resolves `--dtype` (worker/formats.py;
+`auto` runs the quality check once per model and machine), builds that weight set and
+drops the rest.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from common.modelfile import ModelSource, resolve_model
+from worker import kernels
+from worker.formats import (
+    FORMATS,
+    QUALITY_TOLERANCE,
+    Capabilities,
+    Format,
+    candidates,
+    dense_fallback,
+    kv_dtype,
+    read_verdicts,
+    verdict_key,
+    write_verdict,
+)
+from worker.gguf_loader import load_gguf_blocks
+from worker.loader import load_weights
+from worker.model import LlamaModel
+from worker.quality import perplexity, text
+from worker.weights import WeightSet
+
+log = structlog.get_logger()
+
+CHECK_TOKENS = 1024  # of the shipped text, for --dtype auto's check
+
+
+@dataclass(slots=True)
+class BuiltModel:
+    source: ModelSource
+    model: LlamaModel
+    format: Format
+    kv_dtype: torch.dtype
+    capabilities: Capabilities
+
+    @property
+    def weights(self) -> str:
+        """The model's weight set to run (named after the format)."""
+        return self.format.name
+
+
+def load_model(source: ModelSource, ops: object | None) -> LlamaModel:
+    cfg, dense = load_weights(source.path, source.kind, torch.float32)
+    blocks = load_gguf_blocks(source.path, cfg) if source.kind == "gguf" else None
+    return LlamaModel(cfg, dense, blocks, ops)
+
+
+def build_model(model: str | None, dtype: str = "auto", kv: str = "auto") -> BuiltModel:
+    t0 = time.perf_counter()
+    source = resolve_model(model)
+    ops = kernels.load()
+    caps = Capabilities.detect(ops, source.kind)
+    lm = load_model(source, ops)
+    fmt = choose(dtype, lm, source, caps)
+    add_format(lm, fmt, caps)
+    lm.keep_only(fmt.name)
+    ws = lm.sets[fmt.name]
+    built = BuiltModel(source, lm, fmt, kv_dtype(fmt, kv), caps)
+    log.info("executor", dtype=fmt.name, requested=dtype, kv_dtype=str(built.kv_dtype),
+             matrices=ws.formats(), weights_mib=round(ws.nbytes() / 2**20, 1),
+             kernels=caps.kernels, seconds=round(time.perf_counter() - t0, 2))
+    return built
+
+
+def add_format(lm: LlamaModel, fmt: Format, caps: Capabilities) -> WeightSet:
+    return lm.add_weights(fmt.name, fmt.layers, fmt.head, dense_fallback(fmt, caps))
+
+
+def choose(requested: str, lm: LlamaModel, source: ModelSource, caps: Capabilities) -> Format:
+    """The format to run: an explicit request (after its fallbacks), or for `auto` the
+    first candidate whose perplexity is within QUALITY_TOLERANCE of float32's."""
+    chain = candidates(requested, caps)
+    if requested != "auto" or len(chain) == 1:
+        return chain[0]
+    machine = kernels.machine_key()
+    check = f"{CHECK_TOKENS}tok"
+    verdicts = read_verdicts()
+    ids: list[int] | None = None
+    ref: float | None = None
+    for fmt in chain:
+        if fmt.name == "float32":
+            log.info("dtype_auto", chose="float32", why="no faster format passed the check")
+            return fmt
+        key = verdict_key(source.path, fmt.name, check, machine)
+        verdict = verdicts.get(key)
+        cached = verdict is not None
+        if verdict is None:
+            if ids is None:
+                from common.tokenizer import Tokenizer
+
+                ids = Tokenizer.from_source(source).encode(text())[:CHECK_TOKENS]
+                add_format(lm, FORMATS["float32"], caps)
+                ref = perplexity(lm, "float32", ids, kv_dtype(FORMATS["float32"])).ppl
+            add_format(lm, fmt, caps)
+            ppl = perplexity(lm, fmt.name, ids, kv_dtype(fmt)).ppl
+            verdict = {"format": fmt.name, "ppl": ppl, "float32_ppl": ref,
+                       "ok": ppl <= ref * (1 + QUALITY_TOLERANCE), "tokens": len(ids)}  # type: ignore[operator]
+            write_verdict(key, verdict)
+        log.info("dtype_auto", candidate=fmt.name, passed=verdict["ok"], ppl=round(verdict["ppl"], 4),
+                 float32_ppl=round(verdict["float32_ppl"], 4), cached=cached)
+        if verdict["ok"]:
+            log.info("dtype_auto", chose=fmt.name)
+            return fmt
+        lm.sets.pop(fmt.name, None)
+    return chain[-1]
