@@ -209,8 +209,8 @@ def test_oversized_input_gets_a_clear_4xx(stack: Stack) -> None:
         ({"prompt": "hi " * 2000}, 400, "prompt", "maximum context length is 256"),
         ({"prompt": list(range(1, MAX_MODEL_LEN + 1))}, 400, "prompt", "maximum context length"),
         ({"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens", "Reduce the prompt or max_tokens"),
-        ({"prompt": "hi", "n": 2}, 400, "n", "only n=1"),
-        ({"prompt": "hi", "best_of": 3}, 400, "best_of", "best_of"),
+        ({"prompt": "hi", "n": 33}, 400, "n", "32"),
+        ({"prompt": "hi", "n": 2, "best_of": 1}, 400, "best_of", "best_of"),
         ({"prompt": "hi", "stop": [str(i) for i in range(17)]}, 400, "stop", "at most 16"),
         ({"prompt": "hi", "stop": "x" * 257}, 400, "stop", "at most 256 characters"),
     ]

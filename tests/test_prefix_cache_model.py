@@ -52,7 +52,8 @@ def _greedy() -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def base() -> LLMEngine:
-    return LLMEngine(EngineConfig(device_blocks=256, host_blocks=0,
+    # fp32: the caching-off reference is checked against transformers' fp32 forward.
+    return LLMEngine(EngineConfig(device_blocks=256, host_blocks=0, dtype="float32",
                                   enable_prefix_caching=False))
 
 

@@ -254,7 +254,8 @@ def test_kill_worker_then_kvmem_under_load(serve: Serve, reference: dict[str, st
         times["worker"] = await next_token_after(streams, t)
         # By 40 tokens the requests outgrow the device pool: some are rotary (on the host).
         await until(lambda: min(len(s.token_times) for s in streams) >= 40)
-        assert not any(t.done() for t in tasks), "the load ended before kvmem was killed"
+        # (The fast executor may finish a stream that was never rotated out by now.)
+        assert sum(not t.done() for t in tasks) >= 4, "the load ended before kvmem was killed"
         _, t = kill(serve, "kvmem")
         times["kvmem"] = await next_token_after(streams, t)
 

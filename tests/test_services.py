@@ -142,13 +142,18 @@ def generate_all(addr: str, requests: list[scheduler_pb2.GenerateRequest]
 
 
 def wait_idle(stack: Stack, timeout_s: float = 20.0) -> scheduler_pb2.StatsReply:
-    """Stats once nothing is queued any more (an abort lands within an iteration)."""
+    """Stats once nothing is queued and every block is back (an abort lands within an
+    iteration; the blocks of a request aborted while its batch runs come back when the
+    batch lands), or at the deadline."""
     import time
 
     deadline = time.monotonic() + timeout_s
     while True:
         s = stack.stats()
-        if (s.waiting, s.running, s.rotary) == (0, 0, 0) or time.monotonic() > deadline:
+        idle = (s.waiting, s.running, s.rotary) == (0, 0, 0)
+        back = (s.device_blocks_free == s.device_blocks_total
+                and s.host_blocks_free == s.host_blocks_total)
+        if (idle and back) or time.monotonic() > deadline:
             return s
         time.sleep(0.05)
 

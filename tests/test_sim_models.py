@@ -274,7 +274,10 @@ def test_slo_metrics_by_hand() -> None:
     assert m.tbt_attainment == pytest.approx(4 / 5)  # gaps: .05 .05 .05 .3 .05
     assert m.tbt_attainment_rotated == pytest.approx(1 / 2)
     assert m.tpot_attainment == pytest.approx(2 / 3)  # c: mean gap 0.175 s
-    assert m.goodput_rps == pytest.approx(1 / 10)
+    # vLLM's goodput (TTFT and TPOT: a only) per second from the first arrival (0) to the
+    # last token (7.05); every-gap goodput (a only too) per second of the run.
+    assert m.goodput_rps == pytest.approx(1 / 7.05)
+    assert m.goodput_every_gap_rps == pytest.approx(1 / 10)
     assert m.p50_ttft_s == pytest.approx(2.0)
     assert m.p99_ttft_s == pytest.approx(float(np.percentile([1.0, 6.0, 2.0], 99)))
     assert m.p50_tbt_s == pytest.approx(0.05)
