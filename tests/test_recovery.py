@@ -36,7 +36,7 @@ from common.daemon import CHANNEL_OPTIONS, free_port
 from proto import scheduler_pb2, scheduler_pb2_grpc
 from tests.prompts import PROMPTS
 
-MAX_TOKENS = 64
+MAX_TOKENS = 128  # long enough that the load outlasts both kills with the fast executor
 START_TIMEOUT_S = 240.0
 # 8 requests of ~5 blocks against 24 device blocks: rotation all the way through.
 DEVICE_BLOCKS = 24
