@@ -15,20 +15,12 @@ from typing import Any
 
 import torch
 
+from superinfer.bench.engine import PROMPTS as ENGINE_PROMPTS
 from superinfer.bench.report import table, write_json
 
-PROMPTS = [
-    "Write a short story about a robot learning to paint.",
-    "Explain how a refrigerator works.",
-    "What are the main causes of the French Revolution?",
-    "Give me a recipe for pancakes.",
-    "Describe the water cycle in simple terms.",
-    "Why do cats purr?",
-    "List some tips for learning a new language.",
-    "What is the difference between a virus and a bacterium?",
-    "What is the capital of France?",
-    "Translate 'good morning' into Spanish.",
-]
+# bench engine's prompts, and two with short, factual answers.
+PROMPTS = [*ENGINE_PROMPTS, "What is the capital of France?",
+           "Translate 'good morning' into Spanish."]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
