@@ -42,6 +42,8 @@ class EngineConfig:
     dtype: str = "auto"
     kv_dtype: str = "auto"
     device: str = "auto"  # the worker's: auto (CUDA when torch sees it), cpu or cuda
+    # The worker's ranks, one process each, in one torch.distributed group (worker/tp.py).
+    tensor_parallel_size: int = 1
     policy: str = "lvf"
     alpha: float = 0.3
     beta_b: float = 0.0
@@ -85,6 +87,9 @@ class EngineConfig:
         if self.kv_dtype not in KV_DTYPE_NAMES:
             raise ValueError(
                 f"--kv-dtype must be one of {', '.join(KV_DTYPE_NAMES)}, got {self.kv_dtype}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if not self.alpha > 0:
@@ -137,6 +142,10 @@ class EngineConfig:
         g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                        help="where the worker computes and keeps its KV pool (auto: the GPU "
                             "when torch sees one; there --dtype auto is bfloat16)")
+        g.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="split the model's heads over N worker processes (torch."
+                            "distributed, gloo on the CPU); the attention and KV heads "
+                            "must divide by N")
         s = p.add_argument_group("scheduling (RotaSched)")
         s.add_argument("--policy", default="lvf", choices=list(POLICY_NAMES))
         s.add_argument("--alpha", type=float, default=0.3)

@@ -99,7 +99,7 @@ class KVPoolRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KVPoolHandle(_message.Message):
-    __slots__ = ("pool_id", "kind", "shm_name", "cuda_ipc_handle", "device_index", "shape", "dtype", "nbytes")
+    __slots__ = ("pool_id", "kind", "shm_name", "cuda_ipc_handle", "device_index", "shape", "dtype", "nbytes", "shard_shm_names")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class KVPoolHandle(_message.Message):
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARD_SHM_NAMES_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     kind: str
     shm_name: str
@@ -116,4 +117,5 @@ class KVPoolHandle(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     nbytes: int
-    def __init__(self, pool_id: _Optional[str] = ..., kind: _Optional[str] = ..., shm_name: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., device_index: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    shard_shm_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, pool_id: _Optional[str] = ..., kind: _Optional[str] = ..., shm_name: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., device_index: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., nbytes: _Optional[int] = ..., shard_shm_names: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -67,6 +67,9 @@ class LLMEngine:
         """Build the engine; `reuse` shares another engine's loaded model, format and
         tokenizer (its dtype wins), so tests and benchmarks can vary pools and policies."""
         self.config = config
+        if config.tensor_parallel_size != 1:
+            raise ValueError("--tensor-parallel-size runs in the worker service only "
+                             "(`superinfer serve` or `superinfer worker`), not in-process")
         if reuse is not None:
             self.built, self.tokenizer = reuse.built, reuse.tokenizer
         else:

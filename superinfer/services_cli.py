@@ -41,7 +41,7 @@ PORTS = {"scheduler": 50051, "worker": 50052, "kvmem": 50053}
 GATEWAY_HTTP_PORT = 8000
 GATEWAY_GRPC_PORT = 50050
 WORKER_FLAGS = frozenset({"model", "device_blocks", "kv_memory_gib", "block_size", "dtype",
-                          "kv_dtype", "device"})
+                          "kv_dtype", "device", "tensor_parallel_size"})
 KVMEM_FLAGS = frozenset({"host_blocks", "host_memory_gib"})
 
 
@@ -226,8 +226,30 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise _Terminate
 
 
+def check_tensor_parallel(args: argparse.Namespace) -> str | None:
+    """A --tensor-parallel-size the model cannot split: the error, before any process."""
+    n = getattr(args, "tensor_parallel_size", 1)
+    if n == 1:
+        return None
+    from common.errors import SuperInferError
+    from common.modelfile import resolve_model
+    from worker.tp import check_source
+
+    try:
+        if getattr(args, "device", "auto") == "cuda":
+            return "--tensor-parallel-size > 1 runs on the CPU worker only so far"
+        check_source(n, resolve_model(args.model))
+    except SuperInferError as e:
+        return str(e)
+    return None
+
+
 def _serve(args: argparse.Namespace) -> int:
     EngineConfig.from_args(args)  # flag errors here, not in a child's log
+    problem = check_tensor_parallel(args)
+    if problem:
+        print(f"superinfer serve: error: {problem}", file=sys.stderr)
+        return 2
     run_dir = Path(args.run_dir)
     try:
         policy = RestartPolicy(backoff_s=args.restart_backoff,

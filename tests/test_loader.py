@@ -22,6 +22,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+from tests.tiny_models import tiny_hf  # noqa: E402
 from worker.loader import ModelConfig, ModelLoadError, load_weights  # noqa: E402
 from worker.model_config import (  # noqa: E402
     llama3_rope_freq_factors,
@@ -268,29 +269,7 @@ def _fields(cfg: ModelConfig) -> dict:
 
 
 def _tiny(kind: str, tmp: pathlib.Path) -> tuple[pathlib.Path, torch.nn.Module]:
-    """A small random transformers model saved to ``tmp``: qwen2 (biases) or llama3 rope."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    common = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  initializer_range=0.2, tie_word_embeddings=False, rms_norm_eps=1e-5)
-    torch.manual_seed(1234)
-    if kind == "qwen2":
-        model = Qwen2ForCausalLM(
-            Qwen2Config(rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, **common)
-        )
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0.0, 0.5)
-    else:
-        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64}
-        model = LlamaForCausalLM(LlamaConfig(head_dim=32, rope_parameters=rope, **common))
-    out = tmp / kind
-    model.save_pretrained(out, safe_serialization=True)
-    return out, model.eval()
+    return tiny_hf(kind, tmp)
 
 
 TINY_IDS = [5, 17, 99, 3, 150, 42, 42, 7, 88, 121, 64, 1, 2, 33, 140, 9, 77, 10, 0, 159]

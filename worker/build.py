@@ -10,11 +10,14 @@ drops the rest.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
 import torch
 
+from common.config import EngineConfig
+from common.contracts import KVShape
 from common.modelfile import ModelSource, resolve_model
 from worker import kernels
 from worker.formats import (
@@ -32,7 +35,9 @@ from worker.formats import (
 from worker.gguf_loader import load_gguf_blocks
 from worker.loader import load_weights
 from worker.model import LlamaModel
+from worker.model_config import ModelConfig
 from worker.quality import perplexity, text
+from worker.runner import kv_block_bytes
 from worker.weights import WeightSet
 
 log = structlog.get_logger()
@@ -118,3 +123,61 @@ def choose(requested: str, lm: LlamaModel, source: ModelSource, caps: Capabiliti
             return fmt
         lm.sets.pop(fmt.name, None)
     return chain[-1]
+
+
+# -- tensor parallel (worker/tp.py) ----------------------------------------------------------
+@dataclass(slots=True)
+class Shard:
+    """One rank's part of the model: its heads' matrices, on the plain-torch forward."""
+
+    source: ModelSource
+    full: ModelConfig  # the whole model's (what the scheduler sees)
+    model: LlamaModel  # cfg: this rank's heads
+    format: Format
+    kv_dtype: torch.dtype
+
+    @property
+    def weights(self) -> str:
+        return self.format.name
+
+
+def tp_format(dtype: str, caps: Capabilities) -> Format:
+    """The format a TP rank runs: `auto` is float32 (the quality check and the formats it
+    prefers need the C++ kernels); an explicit one falls back as usual, past gguf."""
+    if dtype == "auto":
+        return FORMATS["float32"]
+    return candidates(dtype, caps)[0]
+
+
+def build_shard(config: EngineConfig, rank: int, size: int,
+                reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Shard:
+    """Load the model and keep rank `rank`'s shard (all ranks agree: same config).
+    `reduce`: the group's all-reduce (None only for a shard run alone, in tests)."""
+    from worker.tp import check_split, shard_config, shard_weights
+
+    t0 = time.perf_counter()
+    source = resolve_model(config.model)
+    caps = Capabilities.detect(None, "hf")  # no C++ kernels, no GGUF blocks under TP
+    fmt = tp_format(config.dtype, caps)
+    full, dense = load_weights(source.path, source.kind, torch.float32)
+    check_split(size, full.num_heads, full.num_kv_heads, full.intermediate_size, source.name)
+    lm = LlamaModel(shard_config(full, rank, size), shard_weights(full, dense, rank, size),
+                    None, None, reduce=reduce, head=rank == 0)
+    del dense
+    add_format(lm, fmt, caps)
+    lm.keep_only(fmt.name)
+    log.info("tp_shard", rank=rank, size=size, dtype=fmt.name, heads=lm.cfg.num_heads,
+             kv_heads=lm.cfg.num_kv_heads, mlp=lm.cfg.intermediate_size,
+             weights_mib=round(lm.sets[fmt.name].nbytes() / 2**20, 1),
+             seconds=round(time.perf_counter() - t0, 2))
+    return Shard(source, full, lm, fmt, kv_dtype(fmt, config.kv_dtype))
+
+
+def shard_pool_shape(config: EngineConfig, shard: Shard) -> tuple[int, ...]:
+    """Every rank's pool: the block count of the whole model's KV within --kv-memory-gib
+    (so the budget is the group's), each block holding this rank's KV heads."""
+    full_bytes = kv_block_bytes(shard.full, config.block_size, shard.kv_dtype)
+    num_blocks, _ = config.blocks_for(full_bytes)
+    c = shard.model.cfg
+    return KVShape(num_blocks, c.num_layers, config.block_size, c.num_kv_heads,
+                   c.head_dim).shape

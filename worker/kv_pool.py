@@ -26,6 +26,8 @@ class DevicePool:
         self.pool_id = uuid.uuid4().hex
         self._shm = shm
         self._cuda_ipc = cuda_ipc
+        # Tensor parallel: every rank's shard segment, rank order (this one first).
+        self.shards: list[str] = []
 
     @classmethod
     def create(cls, shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> DevicePool:
@@ -67,6 +69,7 @@ class DevicePool:
             shape=list(t.shape),
             dtype=DTYPE_NAMES[t.dtype],
             nbytes=t.numel() * t.element_size(),
+            shard_shm_names=self.shards,
         )
 
     def close(self) -> None:

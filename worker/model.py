@@ -16,6 +16,7 @@ norm emits the dtype the next matmul takes. Two forward paths over the same weig
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,12 +61,22 @@ class LlamaModel:
     """Embeddings, norms and RoPE tables in fp32, and the matrices per weight set."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
-                 blocks: dict[str, RawMatrix] | None = None, ops: Any | None = None) -> None:
+                 blocks: dict[str, RawMatrix] | None = None, ops: Any | None = None,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 head: bool = True) -> None:
         """`weights`: the loader's dense fp32 tensors (worker/loader.py names); `blocks`:
         the same matrices as GGUF blocks, when the file has them; `ops`: the C++ kernels
-        (worker/kernels.py), None for the pure-torch path."""
+        (worker/kernels.py), None for the pure-torch path.
+
+        Tensor parallel (worker/tp.py): `cfg` and `weights` are one rank's shard, and
+        `reduce` (the group's all-reduce) sums the row-parallel o and down outputs; a
+        rank with `head=False` stops after the last layer (only rank 0 samples)."""
+        if reduce is not None and ops is not None:
+            raise ValueError("tensor parallel runs the plain-torch forward (ops=None)")
         self.cfg = cfg
         self.ops = ops
+        self.reduce = reduce
+        self.head = head
         w, raw = weights, blocks or {}
         self.embed = w["embed_tokens"].float().contiguous()  # [V, D]
         self.norm = w["norm"].float().contiguous()
@@ -149,6 +160,10 @@ class LlamaModel:
                 meta.qrow, meta.ctx, meta.paged_idx, meta.fresh, meta.logits_index)
         return self._forward_torch(self.sets[name], x, meta, kv)
 
+    def _sum(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel matmul's output: this rank's partial sum, summed over the group."""
+        return partial if self.reduce is None else self.reduce(partial.contiguous())
+
     def _forward_torch(self, ws: WeightSet, x: torch.Tensor, meta: PagedMeta,
                        kv: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -170,10 +185,12 @@ class LlamaModel:
             if meta.fresh:
                 qkv_r = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), 1)
                 sdpa_fresh(qkv_r, attn.view(T, hq * hd), meta.fresh, hq, hkv, hd, self.scale)
-            x = x + lw.o(attn.view(T, hq * hd)).float()
+            x = x + self._sum(lw.o(attn.view(T, hq * hd)).float())
             h = _rms(x, self.post_norm[li], cfg.rms_norm_eps)
             gate, up = lw.gate_up(h).chunk(2, dim=-1)
-            x = x + lw.down(F.silu(gate) * up).float()
+            x = x + self._sum(lw.down(F.silu(gate) * up).float())
+        if not self.head:
+            return torch.empty(0, cfg.vocab_size)
         hs = _rms(x.index_select(0, meta.logits_index), self.norm, cfg.rms_norm_eps)
         return ws.head(hs).float()
 

@@ -28,6 +28,7 @@ from worker.model_config import ModelConfig
 from worker.sampler import sample_tokens
 from worker.sampling_state import SamplingStates
 from worker.threads import ThreadTuner, default_choices
+from worker.tp import TPGroup
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -38,10 +39,12 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_pool: torch.Tensor, block_size: int,
                  weights: str, sampling: SamplingStates | None = None,
-                 tuner: ThreadTuner | None = None) -> None:
+                 tuner: ThreadTuner | None = None, group: TPGroup | None = None) -> None:
         """`weights`: the model's weight set to run (worker/formats.py names them);
         `sampling`: the per-request sampling state (None: one without grammars);
-        `tuner`: None picks 1 .. torch's thread count by measurement."""
+        `tuner`: None picks 1 .. torch's thread count by measurement;
+        `group`: tensor parallel, as rank 0 (the model is this rank's shard; every
+        forward first sends the batch to the other ranks, worker/tp.py)."""
         if kv_pool.shape[3] != block_size:
             raise ValueError("KV pool block size does not match")
         if weights not in model.sets:
@@ -50,6 +53,7 @@ class ModelRunner:
         self.kv = kv_pool
         self.block_size = block_size
         self.weights = weights
+        self.group = group
         self.tuner = tuner or ThreadTuner(default_choices(torch.get_num_threads()))
         self.sampling = sampling if sampling is not None else SamplingStates(model.cfg.vocab_size)
 
@@ -61,6 +65,9 @@ class ModelRunner:
         """Logits of the chunks that sample, in their order ([S, V]), then of the rows
         whose prompt logprobs are asked for (echo), in chunk order."""
         meta = build_meta(chunks, self.block_size)
+        if self.group is not None:
+            return self.group.lockstep(
+                chunks, lambda: self.model.forward(self.weights, meta, self.kv))
         return self.model.forward(self.weights, meta, self.kv)
 
     def execute(self, chunks: list[ScheduledChunk]) -> ExecuteResult:

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import subprocess
 import sys
+import tempfile
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,19 +25,32 @@ from common.config import EngineConfig
 from common.contracts import PLACEHOLDER, KVShape, ScheduledChunk
 from common.daemon import Daemon, run_daemon
 from common.dtypes import DTYPE_NAMES, DTYPES
-from common.modelfile import resolve_model
+from common.errors import SuperInferError
+from common.modelfile import ModelSource, resolve_model
 from common.shm import SegmentRecord
 from common.tokenizer import Tokenizer
 from common.wire import chunk_from_proto, result_to_proto
 from proto import scheduler_pb2, worker_pb2, worker_pb2_grpc
 from worker.batches import BatchRunner, OutOfOrder
-from worker.build import BuiltModel, build_model
+from worker.build import BuiltModel, build_model, build_shard, shard_pool_shape
 from worker.cuda.device import DeviceError, resolve_device
 from worker.grammar import GrammarBank
 from worker.kv_pool import DevicePool
 from worker.loader import load_weights
+from worker.model_config import ModelConfig
 from worker.runner import ModelRunner, kv_block_bytes
 from worker.sampling_state import MissingState, SamplingStates
+from worker.threads import ThreadTuner
+from worker.tp import (
+    TPGroup,
+    check_source,
+    join_group,
+    master_store,
+    start_ranks,
+    stop_ranks,
+    threads_per_rank,
+    watch_ranks,
+)
 
 if TYPE_CHECKING:
     from worker.cuda.runner import CudaModelRunner
@@ -68,9 +84,13 @@ class Loaded:
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, config: EngineConfig, run_dir: Path | None = None) -> None:
+    def __init__(self, config: EngineConfig, run_dir: Path | None = None,
+                 log_level: str = "info") -> None:
         self.config = config
         self.loaded: Loaded | None = None
+        self.run_dir = run_dir
+        self.log_level = log_level
+        self.tp: TPRanks | None = None  # --tensor-parallel-size > 1: the other ranks
         # Our pool's segment name, so that a worker killed with SIGKILL leaves no segment
         # behind: the next one (or the supervisor) unlinks it (common/shm.py).
         self.segments = SegmentRecord(run_dir / "worker.shm") if run_dir else None
@@ -80,6 +100,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         t0 = time.perf_counter()
         device = resolve_device(cfg.device)
         built: BuiltModel | None = None
+        if cfg.tensor_parallel_size > 1:
+            if device != "cpu":
+                raise DeviceError("--tensor-parallel-size > 1 runs on the CPU worker only so "
+                                  "far (worker/tp.py); use --device cpu")
+            await self._load_tp(t0)
+            return
         if device == "cpu":  # the CPU executor: its format by --dtype (worker/formats.py)
             built = await asyncio.to_thread(build_model, cfg.model, cfg.dtype, cfg.kv_dtype)
             source, mcfg, dtype, fmt = built.source, built.model.cfg, built.kv_dtype, built.weights
@@ -114,28 +140,53 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
             runner, pool = await asyncio.to_thread(load_cuda, mcfg, weights, shape.shape,
                                                    dtype, cfg)
-        info = scheduler_pb2.ModelInfo(
-            name=source.name,
-            max_model_len=mcfg.max_position,
-            vocab_size=mcfg.vocab_size,
-            num_layers=mcfg.num_layers,
-            num_kv_heads=mcfg.num_kv_heads,
-            head_dim=mcfg.head_dim,
-            block_size=cfg.block_size,
-            # the executor format (its KV cache matches it: scheduler_svc model_identity)
-            dtype=fmt,
-            source_kind=source.kind,
-            source_path=str(source.path),
-        )
+        self._loaded(runner, pool, _model_info(source, mcfg, cfg.block_size, fmt), device, t0)
+
+    def _loaded(self, runner: ModelRunner | CudaModelRunner, pool: DevicePool,
+                info: scheduler_pb2.ModelInfo, device: str, t0: float) -> None:
         # Sampling state (penalties, bias, grammars) lives in the CPU runner only so far.
         release = runner.release if isinstance(runner, ModelRunner) else None
         self.loaded = Loaded(runner, pool, info, BatchRunner(runner.execute, release))
         handle = pool.handle()
         if self.segments is not None and handle.shm_name:
             self.segments.add(handle.shm_name)
-        log.info("loaded", model=source.name, weights=fmt, device=device, device_blocks=num_blocks,
-                 pool_gib=round(handle.nbytes / 2**30, 3), pool_id=pool.pool_id,
-                 pool=handle.shm_name or handle.kind, load_s=round(time.perf_counter() - t0, 2))
+        log.info("loaded", model=info.name, weights=info.dtype, device=device,
+                 device_blocks=pool.num_blocks, pool_gib=round(handle.nbytes / 2**30, 3),
+                 pool_id=pool.pool_id, pool=handle.shm_name or handle.kind,
+                 tensor_parallel=self.config.tensor_parallel_size,
+                 load_s=round(time.perf_counter() - t0, 2))
+
+    async def _load_tp(self, t0: float) -> None:
+        """Rank 0 of a tensor-parallel group (worker/tp.py): start the other ranks, join
+        the group, build this rank's shard and pool; every rank's pool goes in the handle."""
+        cfg, n = self.config, self.config.tensor_parallel_size
+        source = resolve_model(cfg.model)
+        check_source(n, source)  # before any rank starts
+        run_dir = self.run_dir or Path(tempfile.mkdtemp(prefix="superinfer-tp-"))
+        for r in range(1, n):  # what ranks killed with the last group left in /dev/shm
+            reaped = SegmentRecord(run_dir / f"worker.rank{r}.shm").reap()
+            if reaped:
+                log.warning("reaped_shm", rank=r, segments=reaped)
+        threads = threads_per_rank(n)
+        store = master_store(n)
+        # On this (the main) thread: the ranks' PR_SET_PDEATHSIG follows the forking thread.
+        tp = TPRanks(start_ranks(n, store, asdict(cfg), run_dir, self.log_level), store)
+        self.tp = tp
+        tp.watch = watch_ranks(tp.procs, tp.stopping)
+        shard = await asyncio.to_thread(build_shard, cfg, 0, n)
+        tp.group = await asyncio.to_thread(join_group, 0, n, store)
+        shard.model.reduce = tp.group.all_reduce
+        names = await asyncio.to_thread(
+            lambda: [store.get(f"shm/{r}").decode() for r in range(1, n)])
+        pool = DevicePool.create(shard_pool_shape(cfg, shard), shard.kv_dtype, POOL_DEVICE)
+        pool.shards = [pool.handle().shm_name, *names]
+        mcfg = shard.model.cfg
+        sampling = SamplingStates(mcfg.vocab_size, lambda: GrammarBank(
+            Tokenizer.from_source(source), mcfg.vocab_size))
+        runner = ModelRunner(shard.model, pool.tensor, cfg.block_size, shard.weights, sampling,
+                             ThreadTuner((threads,)), group=tp.group)
+        self._loaded(runner, pool, _model_info(source, shard.full, cfg.block_size, shard.weights),
+                     "cpu", t0)
 
     def close(self) -> None:
         loaded, self.loaded = self.loaded, None
@@ -146,6 +197,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             loaded.pool.close()
             if self.segments is not None and name:
                 self.segments.remove(name)
+        tp, self.tp = self.tp, None
+        if tp is not None:
+            tp.close()
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> Loaded:
         loaded = self.loaded
@@ -191,6 +245,50 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return (await self._ready(context)).info
 
 
+def _model_info(source: ModelSource, mcfg: ModelConfig, block_size: int, fmt: str
+                ) -> scheduler_pb2.ModelInfo:
+    return scheduler_pb2.ModelInfo(
+        name=source.name,
+        max_model_len=mcfg.max_position,
+        vocab_size=mcfg.vocab_size,
+        num_layers=mcfg.num_layers,
+        num_kv_heads=mcfg.num_kv_heads,  # the model's (a TP rank's pool holds 1/N of them)
+        head_dim=mcfg.head_dim,
+        block_size=block_size,
+        # the executor format (its KV cache matches it: scheduler_svc model_identity)
+        dtype=fmt,
+        source_kind=source.kind,
+        source_path=str(source.path),
+    )
+
+
+@dataclass(slots=True)
+class TPRanks:
+    """Rank 0's hold on ranks 1..N-1: their processes, the store, the group."""
+
+    procs: list[subprocess.Popen[bytes]]
+    store: object
+    group: TPGroup | None = None
+    stopping: threading.Event = field(default_factory=threading.Event)
+    watch: threading.Thread | None = None
+
+    def close(self) -> None:
+        """Tell the ranks to stop (they free their pools), then wait for them."""
+        self.stopping.set()
+        if self.group is not None:
+            try:
+                self.group.send_batch(None)
+            except Exception as e:  # a rank already gone: kill the rest below
+                log.warning("tp_stop_failed", error=str(e))
+                for p in self.procs:
+                    p.kill()
+            self.group.close()
+        else:
+            for p in self.procs:  # still loading: nothing to tell them
+                p.kill()
+        stop_ranks(self.procs)
+
+
 def _check_chunks(
     chunks: list[ScheduledChunk], num_blocks: int, block_size: int, vocab: int,
     sampling_extras: bool = True,
@@ -229,7 +327,8 @@ class WorkerDaemon(Daemon):
 
     def __init__(self, args: argparse.Namespace) -> None:
         torch.set_grad_enabled(False)
-        self.service = WorkerService(EngineConfig.from_args(args), Path(args.run_dir))
+        self.service = WorkerService(EngineConfig.from_args(args), Path(args.run_dir),
+                                     args.log_level)
 
     def register(self, server: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_WorkerServicer_to_server(self.service, server)
@@ -244,7 +343,9 @@ class WorkerDaemon(Daemon):
 def main(args: argparse.Namespace) -> int:
     try:  # a device that is not there is one line, not a traceback in the log
         resolve_device(getattr(args, "device", "auto"))
-    except DeviceError as e:
+        if getattr(args, "tensor_parallel_size", 1) != 1:
+            check_source(args.tensor_parallel_size, resolve_model(args.model))
+    except (DeviceError, SuperInferError) as e:
         print(f"superinfer worker: {e}", file=sys.stderr)
         return 2
     return run_daemon(WorkerDaemon(args), args)
