@@ -26,18 +26,32 @@ class DeviceMapping:
         self.pool_id = handle.pool_id
         self.shape = shape
         self.dtype = DTYPES[handle.dtype]
-        self._shm: SharedTensor | None = None
+        self._shms: list[SharedTensor] = []
         if handle.kind == "shm":
-            self._shm = SharedTensor.attach(handle.shm_name, shape, self.dtype)
-            self.tensor = self._shm.tensor
+            # Tensor parallel: every rank's shard (same shape and block ids), rank order.
+            for name in list(handle.shard_shm_names) or [handle.shm_name]:
+                try:
+                    self._shms.append(SharedTensor.attach(name, shape, self.dtype))
+                except BaseException:
+                    self.close()
+                    raise
+            self.tensors = [s.tensor for s in self._shms]
         elif handle.kind == "cuda_ipc":
-            self.tensor = _open_cuda_ipc(handle, shape, self.dtype)
+            if handle.shard_shm_names:
+                raise ValueError("a tensor-parallel pool on CUDA is not supported")
+            self.tensors = [_open_cuda_ipc(handle, shape, self.dtype)]
         else:
             raise ValueError(f"unknown KV pool kind {handle.kind!r}")
+        self.tensor = self.tensors[0]
 
     @property
     def kind(self) -> str:
-        return "shm" if self._shm is not None else "cuda_ipc"
+        return "shm" if self._shms else "cuda_ipc"
+
+    @property
+    def ranks(self) -> int:
+        """Tensor-parallel ranks whose pools this maps (1 without TP)."""
+        return len(self.tensors)
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -52,10 +66,11 @@ class DeviceMapping:
         return tensor_nbytes(self.block_shape, self.dtype)
 
     def close(self) -> None:
-        del self.tensor
-        if self._shm is not None:
-            self._shm.close()
-            self._shm = None
+        self.tensor = torch.empty(0)
+        self.tensors = []
+        for shm in self._shms:
+            shm.close()
+        self._shms = []
 
 
 def _open_cuda_ipc(

@@ -19,9 +19,10 @@ from common.config import EngineConfig
 from common.contracts import TransferPlan
 from common.daemon import Daemon, run_daemon
 from common.lane import ThreadLane
-from kvmem_svc.duplex import DuplexEngine, Mode, TransferConflict, TransferError
+from kvmem_svc.duplex import Mode, TransferConflict, TransferError
 from kvmem_svc.hostmem import HostMemory, allocate_host_pool
 from kvmem_svc.pool import DeviceMapping
+from kvmem_svc.ranks import RankedEngine
 from kvmem_svc.tunables import nt_threshold_in_effect, reexec_with_copy_tunables
 from proto import kvmem_pb2, kvmem_pb2_grpc, worker_pb2
 
@@ -35,8 +36,9 @@ class KVMemService(kvmem_pb2_grpc.KVMemServicer):
         self._mode = Mode(transfer_mode)
         self._numa = numa_node
         self.device: DeviceMapping | None = None
-        self.host: HostMemory | None = None
-        self.engine: DuplexEngine | None = None
+        self.host: HostMemory | None = None  # rank 0's host pool
+        self.hosts: list[HostMemory] = []  # one per tensor-parallel rank (kvmem_svc/ranks.py)
+        self.engine: RankedEngine | None = None
         self.host_pool_id = ""  # new with each host pool: a new one means copies are gone
         # Attaching, copies and closing run on one thread, in arrival order; a cancelled
         # RPC stops waiting but never lets the next job run beside its copies.
@@ -136,22 +138,27 @@ class KVMemService(kvmem_pb2_grpc.KVMemServicer):
         if old is not None:
             old.close()
         bb = new.block_bytes
-        if self.host is None or not self.host.fits(new.block_shape, new.dtype):
-            _, n = self._sizing.blocks_for(bb)
-            if self.host is not None:
-                self.host.close()  # drop the old region before mapping a new one
-            self.host = allocate_host_pool(
+        if len(self.hosts) != new.ranks or not all(
+                h.fits(new.block_shape, new.dtype) for h in self.hosts):
+            # --host-memory-gib is for all ranks' host pools together.
+            _, n = self._sizing.blocks_for(bb * new.ranks)
+            self._close_hosts()  # drop the old regions before mapping new ones
+            self.hosts = [allocate_host_pool(
                 new.block_shape, new.dtype, num_blocks=n, numa_node=self._numa,
                 device=handle.device_index if new.kind == "cuda_ipc" else None)
+                for _ in range(new.ranks)]
+            self.host = self.hosts[0]
             self.host_pool_id = uuid.uuid4().hex
-            log.info("host_pool", host_blocks=n, block_bytes=bb, detail=self.host.description)
+            log.info("host_pool", host_blocks=n, block_bytes=bb, ranks=new.ranks,
+                     detail=self.host.description)
         # Not strict: a swap-in that overwrites a block this batch copies out runs after
         # that copy (counted in ordered_batches) instead of failing the batch.
-        self.engine = DuplexEngine(new.tensor, self.host.tensor, self._mode, strict=False)
+        self.engine = RankedEngine(new.tensors, [h.tensor for h in self.hosts], self._mode,
+                                   strict=False)
         log.info("transfer_engine", engine=self.engine.describe())
         log.info("attached", pool_id=new.pool_id, kind=new.kind, device_blocks=new.num_blocks,
-                 replaced=old.pool_id if old else None)
-        return self.host
+                 ranks=new.ranks, replaced=old.pool_id if old else None)
+        return self.hosts[0]
 
     async def close(self) -> None:
         await self._lane.run(self._close)
@@ -164,9 +171,13 @@ class KVMemService(kvmem_pb2_grpc.KVMemServicer):
         if self.device is not None:
             self.device.close()
             self.device = None
-        if self.host is not None:
-            self.host.close()
-            self.host = None
+        self._close_hosts()
+
+    def _close_hosts(self) -> None:
+        for h in self.hosts:
+            h.close()
+        self.hosts = []
+        self.host = None
 
 
 class Refusal(Exception):
