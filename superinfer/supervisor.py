@@ -231,6 +231,10 @@ class Supervisor:
         if child.spec.pid_file is not None:
             _remove_stale_pid(child.spec.pid_file, pid)
         reaped = SegmentRecord(self.run_dir / f"{child.spec.name}.shm").reap(dead_pid=pid)
+        # A tensor-parallel worker's other ranks (worker/tp.py) die with it; those already
+        # gone (a record's own pid decides) are reaped here, the rest by the next worker.
+        for record in sorted(self.run_dir.glob(f"{child.spec.name}.rank*.shm")):
+            reaped += SegmentRecord(record).reap()
         if reaped:
             log.info("shm_reaped", service=child.spec.name, pid=pid, segments=reaped)
 

@@ -16,7 +16,7 @@ Hkv/N, hd]`, with the same block ids (worker/kv_pool.py): the scheduler's block 
 not change, and kvmem attaches every shard (kvmem_svc/pool.py).
 
 Processes: rank 0 is the worker service the scheduler talks to (worker/service.py). It
-starts ranks 1..N-1 (`python -m worker.tp`), rendezvous through a TCPStore on a port the
+starts ranks 1..N-1 (`python -m worker.tp_rank`), rendezvous through a TCPStore on a port the
 OS picked, and before every forward broadcasts the batch (its chunks) to them; each rank
 builds the batch metadata itself and runs the same forward on its shard. A group lives
 and dies together: rank 0 exits when a rank does (`watch_ranks`), the ranks die with
@@ -31,7 +31,6 @@ hook there), and NCCL (the GPU worker under worker/cuda/ has no TP yet).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import datetime
@@ -124,7 +123,7 @@ def shard_config(cfg: ModelConfig, rank: int, n: int) -> ModelConfig:
     check_split(n, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.name)
     if not 0 <= rank < n:
         raise ValueError(f"rank {rank} outside a group of {n}")
-    fields = {f: getattr(cfg, f) for f in cfg.__slots__}  # type: ignore[attr-defined]
+    fields = {f: getattr(cfg, f) for f in cfg.__slots__}
     fields.update(num_heads=cfg.num_heads // n, num_kv_heads=cfg.num_kv_heads // n,
                   intermediate_size=cfg.intermediate_size // n)
     return ModelConfig(**fields)
@@ -257,7 +256,7 @@ def start_ranks(size: int, store: Any, config: dict[str, Any], run_dir: Path,
         out = open(run_dir / f"worker.rank{r}.out", "ab")  # noqa: SIM115 - the child's now
         try:
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "worker.tp", json.dumps(_spec_json(spec))],
+                [sys.executable, "-m", "worker.tp_rank", json.dumps(_spec_json(spec))],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 env={**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME",
                                                                         "lo")}))
@@ -267,7 +266,7 @@ def start_ranks(size: int, store: Any, config: dict[str, Any], run_dir: Path,
 
 
 def _spec_json(spec: RankSpec) -> dict[str, Any]:
-    return {f: getattr(spec, f) for f in spec.__slots__}  # type: ignore[attr-defined]
+    return {f: getattr(spec, f) for f in spec.__slots__}
 
 
 def watch_ranks(procs: list[subprocess.Popen[bytes]], stopping: threading.Event,
@@ -300,71 +299,8 @@ def stop_ranks(procs: list[subprocess.Popen[bytes]], timeout_s: float = 10.0) ->
 
 
 def die_with_parent() -> None:
-    """A rank: SIGKILL when rank 0 dies (Linux), and leave now if it already has."""
+    """A rank: SIGKILL when rank 0 dies (Linux). Had it died already, joining the group
+    fails instead."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-# -- ranks 1..N-1 ---------------------------------------------------------------------------
-def rank_main(spec: RankSpec) -> int:
-    """Load this rank's shard, join the group, run every batch rank 0 broadcasts."""
-    parent = os.getppid()
-    die_with_parent()
-    if os.getppid() != parent:
-        return 1
-    from torch.distributed import TCPStore
-
-    from common.config import EngineConfig
-    from common.logging import configure_logging
-    from common.shm import SegmentRecord
-    from worker.attention import build_meta
-    from worker.build import build_shard, shard_pool_shape
-    from worker.kv_pool import DevicePool
-
-    run_dir = Path(spec.run_dir)
-    configure_logging(f"worker.rank{spec.rank}", run_dir / f"worker.rank{spec.rank}.log",
-                      spec.log_level)
-    torch.set_grad_enabled(False)
-    torch.set_num_threads(threads_per_rank(spec.size))
-    cfg = EngineConfig(**spec.config)
-    store = TCPStore("127.0.0.1", spec.store_port, spec.size, is_master=False,
-                     timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
-    shard = build_shard(cfg, spec.rank, spec.size)
-    record = SegmentRecord(run_dir / f"worker.rank{spec.rank}.shm")
-    record.reap()
-    pool = DevicePool.create(shard_pool_shape(cfg, shard), shard.kv_dtype, "cpu")
-    name = pool.handle().shm_name
-    record.add(name)
-    try:
-        group = join_group(spec.rank, spec.size, store)
-        shard.model.reduce = group.all_reduce
-        store.set(f"shm/{spec.rank}", name)
-        log.info("tp_rank_ready", rank=spec.rank, size=spec.size, pool=name,
-                 heads=shard.model.cfg.num_heads, kv_heads=shard.model.cfg.num_kv_heads,
-                 threads=torch.get_num_threads())
-        kv = pool.tensor
-        while True:
-            chunks = group.recv_batch()
-            if chunks is None:
-                break
-            shard.model.forward(shard.weights, build_meta(chunks, cfg.block_size), kv)
-        log.info("tp_rank_stopped", rank=spec.rank)
-        group.close()
-    finally:
-        kv = torch.empty(0)
-        pool.close()
-        record.remove(name)
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m worker.tp",
-                                description="one tensor-parallel rank (rank 0 starts these)")
-    p.add_argument("spec", help="RankSpec as JSON")
-    args = p.parse_args(argv)
-    return rank_main(RankSpec(**json.loads(args.spec)))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
