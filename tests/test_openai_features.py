@@ -10,24 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
-import httpx
 import jsonschema
 import openai
 import pytest
 
-from common.daemon import free_port
 from proto import client_pb2, client_pb2_grpc, common_pb2
-from superinfer.probes import grpc_probe, http_probe
-from superinfer.supervisor import ServiceSpec, Supervisor
-from tests.test_gateway import CHILD_ENV, STARTUP_TIMEOUT_S, Stack, _environment, _error
+from tests.test_gateway import Stack, _error, start_stack
 from tests.test_gateway import _wait_all_blocks_free as wait_all_blocks_free
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
@@ -55,49 +48,9 @@ print(json.dumps({"prompt_ids": ids, "token_ids": r.token_ids, "text": r.text,
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    run_dir = tmp_path_factory.mktemp("openai-stack")
-    ports = {name: free_port() for name in ("worker", "kvmem", "scheduler", "http", "grpc")}
-    addr = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
-    ref_out, ref_err = run_dir / "reference-out.json", run_dir / "reference.err"
-    with ref_out.open("w") as stdout, ref_err.open("w") as stderr:
-        reference_proc = subprocess.Popen([sys.executable, "-c", _REFERENCE_SCRIPT],
-                                          stdin=subprocess.PIPE, stdout=stdout, stderr=stderr,
-                                          env={**os.environ, **CHILD_ENV},
-                                          text=True)
-        assert reference_proc.stdin is not None
-        reference_proc.stdin.write(PROMPT)
-        reference_proc.stdin.close()
-    cli = [sys.executable, "-m", "superinfer.cli"]
-    common = ["--run-dir", str(run_dir), "--host", "127.0.0.1"]
-    specs = [
-        ServiceSpec("worker", [*cli, "worker", *common, "--port", str(ports["worker"]),
-                               "--device-blocks", "512"], grpc_probe(addr["worker"])),
-        ServiceSpec("kvmem", [*cli, "kvmem", *common, "--port", str(ports["kvmem"]),
-                              "--host-blocks", "256"], grpc_probe(addr["kvmem"])),
-        ServiceSpec("scheduler", [*cli, "scheduler", *common, "--port", str(ports["scheduler"]),
-                                  "--worker-addr", addr["worker"], "--kvmem-addr", addr["kvmem"]],
-                    grpc_probe(addr["scheduler"])),
-        ServiceSpec("gateway", [*cli, "gateway", *common, "--port", str(ports["http"]),
-                                "--grpc-port", str(ports["grpc"]),
-                                "--scheduler-addr", addr["scheduler"]],
-                    http_probe(f"http://{addr['http']}/health")),
-    ]
-    sup = Supervisor(run_dir)
-    try:
-        with _environment(CHILD_ENV):
-            for spec in specs:
-                sup.start(spec, STARTUP_TIMEOUT_S)
-        assert reference_proc.wait(timeout=STARTUP_TIMEOUT_S) == 0, ref_err.read_text()[-3000:]
-        reference = json.loads(ref_out.read_text().strip().splitlines()[-1])
-        with httpx.Client(trust_env=False) as h:
-            model = h.get(f"http://{addr['http']}/v1/models").json()["data"][0]["id"]
-        yield Stack(run_dir, f"http://{addr['http']}", addr["grpc"], addr["scheduler"], model,
-                    reference)
-    finally:
-        if reference_proc.poll() is None:
-            reference_proc.kill()
-            reference_proc.wait()
-        sup.stop_all()
+    with start_stack(tmp_path_factory.mktemp("openai-stack"), _REFERENCE_SCRIPT, PROMPT,
+                     device_blocks=512, host_blocks=256) as s:
+        yield s
 
 
 def _ref(stack: Stack) -> dict[str, Any]:
