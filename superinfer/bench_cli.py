@@ -25,6 +25,8 @@ BENCHES = {
     "serve": ("superinfer.bench.serve", "load benchmark of an OpenAI-compatible server"),
     "experiment": ("superinfer.bench.experiment",
                    "rotation policies on the real stack: rate sweep, table, plot, claim check"),
+    "tp": ("superinfer.bench.tp",
+           "tensor parallel: decode tok/s of 2 gloo ranks vs 1 rank, synthetic model"),
     "prefix-cache": ("superinfer.bench.prefix_cache",
                      "prefix caching on vs off on the real stack: multi-turn chat, host tier"),
 }
