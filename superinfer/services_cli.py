@@ -233,13 +233,15 @@ def check_tensor_parallel(args: argparse.Namespace) -> str | None:
         return None
     from common.errors import SuperInferError
     from common.modelfile import resolve_model
+    from worker.cuda.device import resolve_device
     from worker.tp import check_source
 
     try:
-        if getattr(args, "device", "auto") == "cuda":
-            return "--tensor-parallel-size > 1 runs on the CPU worker only so far"
+        if resolve_device(getattr(args, "device", "auto")) != "cpu":
+            return ("--tensor-parallel-size > 1 runs on the CPU worker only so far "
+                    "(worker/tp.py); add --device cpu")
         check_source(n, resolve_model(args.model))
-    except SuperInferError as e:
+    except SuperInferError as e:  # DeviceError is one
         return str(e)
     return None
 

@@ -94,6 +94,55 @@ def _plan(fence: int, out: list[tuple[int, int]] = [], into: list[tuple[int, int
     return TransferPlan(fence=fence, swap_out=list(out), swap_in=list(into), eager=list(eager))
 
 
+def test_kvmem_runs_each_plan_on_every_tensor_parallel_rank() -> None:
+    """Two ranks' pool shards in one handle (worker/tp.py): one host pool per rank, one
+    plan moves the same block ids on both, and --host-memory-gib is the ranks' total."""
+    shards = [DevicePool.create(SHAPE, torch.float32) for _ in range(2)]
+    for p in shards:
+        p.tensor.copy_(torch.randn(SHAPE))
+    original = [p.tensor.clone() for p in shards]
+    handle = shards[0].handle()
+    handle.shard_shm_names.extend([p.handle().shm_name for p in shards])
+
+    async def body(stub: kvmem_pb2_grpc.KVMemStub, service: KVMemService) -> None:
+        reply = await stub.AttachPool(handle)
+        assert reply.host_blocks == 6 and len(service.hosts) == 2
+        r = await stub.Transfer(plan_to_proto(_plan(1, out=[(1, 0), (2, 1)], eager=[(5, 4)]),
+                                              handle.pool_id))
+        block = SHAPE[1] * SHAPE[2] * SHAPE[3] * SHAPE[4] * SHAPE[5] * 4
+        assert r.bytes_d2h == 3 * 2 * block  # 3 blocks on each of 2 ranks
+        for rank in range(2):
+            for d, h in [(1, 0), (2, 1), (5, 4)]:
+                assert torch.equal(service.hosts[rank].tensor[h], original[rank][d])
+            shards[rank].tensor[1:3].zero_()
+        await stub.Transfer(plan_to_proto(_plan(2, into=[(0, 6), (1, 7)]), handle.pool_id))
+        for rank in range(2):  # each rank got its own KV back, not rank 0's
+            assert torch.equal(shards[rank].tensor[6], original[rank][1])
+            assert torch.equal(shards[rank].tensor[7], original[rank][2])
+        stats = await stub.GetStats(kvmem_pb2.KVMemStatsRequest())
+        assert stats.mode.endswith("x2 ranks") and (stats.blocks_d2h, stats.blocks_h2d) == (3, 2)
+
+    try:
+        asyncio.run(_with_kvmem(body, host_blocks=6))
+    finally:
+        for p in shards:
+            p.close()
+
+    # Sized by memory: the budget holds 8 blocks of 2 ranks, so 4 per rank's host pool.
+    service = KVMemService(host_blocks=None,
+                           host_memory_gib=8 * SHAPE[1] * SHAPE[2] * SHAPE[3] * SHAPE[5] * 4
+                           / 2**30)
+    shards = [DevicePool.create(SHAPE, torch.float32) for _ in range(2)]
+    handle = shards[0].handle()
+    handle.shard_shm_names.extend([p.handle().shm_name for p in shards])
+    try:
+        assert service._attach(handle).num_blocks == 4
+    finally:
+        asyncio.run(service.close())
+        for p in shards:
+            p.close()
+
+
 def test_kvmem_moves_blocks_both_ways_and_refuses_stale_orders() -> None:
     pool = DevicePool.create(SHAPE, torch.float32)
     dev = pool.tensor

@@ -149,3 +149,10 @@ def test_bundled_model_by_two_is_refused_before_any_process(tmp_path: Path, serv
     # nothing was started: no child's console, pid or log file
     assert not run_dir.exists() or not any(
         p.suffix in (".out", ".pid") for p in run_dir.iterdir())
+
+
+def test_in_process_engine_refuses_tensor_parallel() -> None:
+    from superinfer.engine import LLMEngine
+
+    with pytest.raises(ValueError, match="worker service only"):
+        LLMEngine(EngineConfig(tensor_parallel_size=2))

@@ -342,8 +342,11 @@ class WorkerDaemon(Daemon):
 
 def main(args: argparse.Namespace) -> int:
     try:  # a device that is not there is one line, not a traceback in the log
-        resolve_device(getattr(args, "device", "auto"))
+        device = resolve_device(getattr(args, "device", "auto"))
         if getattr(args, "tensor_parallel_size", 1) != 1:
+            if device != "cpu":
+                raise DeviceError("--tensor-parallel-size > 1 runs on the CPU worker only so "
+                                  "far (worker/tp.py); add --device cpu")
             check_source(args.tensor_parallel_size, resolve_model(args.model))
     except (DeviceError, SuperInferError) as e:
         print(f"superinfer worker: {e}", file=sys.stderr)
