@@ -2,13 +2,13 @@
 what the whole model computes.
 
 * the shards' greedy tokens (and logits, to fp32 rounding) equal TP=1's for a varied
-  prompt set over 32 tokens, in one batch, prefilled in chunks;
+  prompt set over 32 tokens, in one batch, prefilled in chunks: a tiny random Llama with
+  4 attention / 2 KV heads (tests/tiny_models.py) on 2 ranks, and the bundled SmolLM2
+  (9 / 3 heads, which does not split by 2) on 3;
 * a split that does not divide the heads is refused with a clear error, before any process
-  starts (`superinfer serve`, `superinfer worker`);
-* the served stack (tests/test_tensor_parallel_stack.py has the gRPC side).
+  starts (`superinfer serve`, `superinfer worker`).
 
-The model is a tiny random Llama with 4 attention / 2 KV heads (tests/tiny_models.py):
-the bundled SmolLM2 (9 / 3) does not split by 2.
+The served stack (rotation, kill -9 of a rank) is tests/test_tensor_parallel_stack.py.
 """
 
 from __future__ import annotations
@@ -89,41 +89,69 @@ def _runner(shard, blocks: int) -> ModelRunner:  # type: ignore[no-untyped-def]
     return ModelRunner(shard.model, kv, BS, shard.weights, tuner=ThreadTuner((1,)))
 
 
-def test_two_ranks_equal_one(tiny: Path, tmp_path: Path) -> None:
-    cfg = EngineConfig(model=str(tiny), dtype="float32", block_size=BS, device_blocks=BLOCKS,
-                       tensor_parallel_size=2)
-    whole = build_shard(cfg, 0, 1)
-    ref = greedy(_runner(whole, BLOCKS), PROMPTS)
-
-    # This process is rank 0 (as the worker service is); rank 1 is a real `python -m
-    # worker.tp` process, started the way the worker starts it.
-    store = master_store(2)
-    procs = start_ranks(2, store, asdict(cfg), tmp_path, "info")
+def split_greedy(cfg: EngineConfig, prompts: list[list[int]], run_dir: Path,
+                 probe: list[ScheduledChunk] | None = None
+                 ) -> tuple[list[list[int]], torch.Tensor | None]:
+    """Greedy tokens of `prompts` on cfg.tensor_parallel_size ranks: this process is rank
+    0 (as the worker service is), ranks 1.. are real `python -m worker.tp_rank` processes
+    started the way the worker starts them. With `probe`: also its logits."""
+    n = cfg.tensor_parallel_size
+    store = master_store(n)
+    procs = start_ranks(n, store, asdict(cfg), run_dir, "info")
     group = None
+    logits = None
     try:
-        shard = build_shard(cfg, 0, 2)
-        assert (shard.model.cfg.num_heads, shard.model.cfg.num_kv_heads) == (2, 1)
-        group = join_group(0, 2, store)
+        shard = build_shard(cfg, 0, n)
+        c = shard.model.cfg
+        assert (c.num_heads * n, c.num_kv_heads * n) == (shard.full.num_heads,
+                                                          shard.full.num_kv_heads)
+        group = join_group(0, n, store)
         shard.model.reduce = group.all_reduce
         runner = _runner(shard, BLOCKS)
         runner.group = group
-        got = greedy(runner, PROMPTS)
-        # The logits themselves: the same to fp32 rounding of the all-reduce's sum order.
-        probe = [ScheduledChunk("p", PROMPTS[-1], 0, list(range(12)), True, temperature=0.0)]
-        tp_logits = runner.forward(probe)
+        got = greedy(runner, prompts)
+        if probe is not None:
+            logits = runner.forward(probe)
         group.send_batch(None)
     finally:
         if group is not None:
             group.close()
         stop_ranks(procs)
-    assert [p.returncode for p in procs] == [0]
-    whole_logits = _runner(whole, BLOCKS).forward(probe)
-    assert (tp_logits - whole_logits).abs().max().item() < 1e-4
+    assert [p.returncode for p in procs] == [0] * (n - 1)  # each stopped cleanly ...
+    for r in range(1, n):  # ... and freed its pool: no segment of its record is left
+        assert not (run_dir / f"worker.rank{r}.shm").exists()
+    return got, logits
+
+
+def test_two_ranks_equal_one(tiny: Path, tmp_path: Path) -> None:
+    cfg = EngineConfig(model=str(tiny), dtype="float32", block_size=BS, device_blocks=BLOCKS,
+                       tensor_parallel_size=2)
+    whole = build_shard(cfg, 0, 1)
+    ref = greedy(_runner(whole, BLOCKS), PROMPTS)
+    probe = [ScheduledChunk("p", PROMPTS[-1], 0, list(range(12)), True, temperature=0.0)]
+    got, tp_logits = split_greedy(cfg, PROMPTS, tmp_path, probe)
+    # The logits themselves: the same to fp32 rounding of the all-reduce's sum order.
+    assert tp_logits is not None
+    assert (tp_logits - _runner(whole, BLOCKS).forward(probe)).abs().max().item() < 1e-4
     differing = [i for i, (a, b) in enumerate(zip(got, ref, strict=True)) if a != b]
     assert not differing, f"prompts {differing} differ: {got} vs {ref}"
     assert len({tuple(o) for o in ref}) == len(ref)  # the prompts really are different
-    # rank 1 freed its pool: no segment of its record is left
-    assert not (tmp_path / "worker.rank1.shm").exists()
+
+
+def test_bundled_model_three_ways_equals_one(tmp_path: Path) -> None:
+    """SmolLM2-135M (9 / 3 heads: 3 ranks of 3 heads over 1 KV head each), dequantized to
+    fp32, as `--tensor-parallel-size 3` runs it."""
+    from common.modelfile import resolve_model
+    from common.tokenizer import Tokenizer
+    from tests.prompts import PROMPTS as TEXTS
+
+    tok = Tokenizer.from_source(resolve_model(None))
+    prompts = [tok.encode(t) for t in TEXTS[:4]]
+    cfg = EngineConfig(dtype="float32", block_size=BS, device_blocks=BLOCKS,
+                       tensor_parallel_size=3)
+    ref = greedy(_runner(build_shard(cfg, 0, 1), BLOCKS), prompts)
+    got, _ = split_greedy(cfg, prompts, tmp_path)
+    assert got == ref
 
 
 def test_split_must_divide_the_heads() -> None:
