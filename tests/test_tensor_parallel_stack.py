@@ -3,8 +3,9 @@ group of 2 gloo ranks, kvmem attached to both ranks' pools, the scheduler, the g
 
 * greedy streams through a small device pool (requests rotate through kvmem's host pools
   of both ranks) equal TP=1's tokens, computed in this process over the same weights;
-* kill -9 of rank 1 under load: the worker exits, the supervisor restarts the group, and
-  every stream finishes with the same tokens;
+* kill -9 of rank 1 (or rank 0) under load: the group goes down, the supervisor restarts
+  it, and every stream finishes with the same tokens; so does a rank stopped with
+  SIGSTOP (rank 0 gives up on the stalled batch);
 * SIGTERM stops everything; no shared-memory segment of either rank is left.
 """
 
@@ -32,6 +33,7 @@ from worker.build import build_shard
 
 DEVICE_BLOCKS = 12  # 16-token blocks: 8 prompts of 1-41 tokens + 32 (or 96) need ~40 (~60)
 LONG = 96  # tokens per stream in the kill test: the load outlasts the restart
+STALL_S = 5.0
 
 
 def rank_record(s: Serve, rank: int) -> dict:
@@ -54,10 +56,19 @@ def reference(model_dir: Path) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Serve]:
-    with serving(tmp_path_factory.mktemp("tp-serve"), "--model", str(model_dir),
-                 "--dtype", "float32", "--tensor-parallel-size", "2",
-                 "--device-blocks", str(DEVICE_BLOCKS)) as s:
-        yield s
+    # A batch stalled this long means a rank hangs (worker/tp.py); the tiny model's take ms.
+    old = os.environ.get("SUPERINFER_TP_STALL_S")
+    os.environ["SUPERINFER_TP_STALL_S"] = str(STALL_S)
+    try:
+        with serving(tmp_path_factory.mktemp("tp-serve"), "--model", str(model_dir),
+                     "--dtype", "float32", "--tensor-parallel-size", "2",
+                     "--device-blocks", str(DEVICE_BLOCKS)) as s:
+            yield s
+    finally:
+        if old is None:
+            os.environ.pop("SUPERINFER_TP_STALL_S", None)
+        else:
+            os.environ["SUPERINFER_TP_STALL_S"] = old
 
 
 def _request(i: int, max_tokens: int) -> scheduler_pb2.GenerateRequest:
@@ -138,6 +149,29 @@ def test_kill_a_rank_restarts_the_group_and_streams_finish(
     print(f"\nkill -9 rank {victim}: recoveries {counters['recoveries']:g}, "
           f"device losses {counters['device_losses']:g}, "
           f"last outage {counters.get('last_outage_s', 0):.2f} s")
+
+
+def test_stopped_rank_takes_the_group_down_and_streams_finish(
+        serve: Serve, reference: list[list[int]]) -> None:
+    """SIGSTOP: rank 1 is alive but answers no collective; rank 0 gives up on the batch
+    after SUPERINFER_TP_STALL_S and exits, its ranks (the stopped one too) with it."""
+    rank1 = rank_record(serve, 1)["pid"]
+
+    async def stop_when_streaming(got: list[list[int]]) -> None:
+        deadline = time.monotonic() + 120
+        while sum(map(len, got)) < 4 * len(got) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        os.kill(rank1, signal.SIGSTOP)
+
+    try:
+        got = run_streams(serve, LONG, stop_when_streaming)
+    finally:
+        if _alive(rank1):
+            os.kill(rank1, signal.SIGKILL)  # never leave a stopped process behind
+    assert got == reference
+    [stalled] = serve.log_events("worker", "tp_batch_stalled")
+    assert stalled["seconds"] >= STALL_S
+    assert not _alive(rank1) and rank_record(serve, 1)["pid"] != rank1
 
 
 def test_sigterm_leaves_no_segment_of_any_rank(serve: Serve) -> None:

@@ -172,7 +172,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # On this (the main) thread: the ranks' PR_SET_PDEATHSIG follows the forking thread.
         tp = TPRanks(start_ranks(n, store, asdict(cfg), run_dir, self.log_level), store)
         self.tp = tp
-        tp.watch = watch_ranks(tp.procs, tp.stopping)
+        tp.watch = watch_ranks(tp.procs, tp.stopping,
+                               lambda: tp.group.busy_since if tp.group is not None else 0.0)
         shard = await asyncio.to_thread(build_shard, cfg, 0, n)
         tp.group = await asyncio.to_thread(join_group, 0, n, store)
         shard.model.reduce = tp.group.all_reduce

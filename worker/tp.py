@@ -19,9 +19,11 @@ Processes: rank 0 is the worker service the scheduler talks to (worker/service.p
 starts ranks 1..N-1 (`python -m worker.tp_rank`), rendezvous through a TCPStore on a port the
 OS picked, and before every forward broadcasts the batch (its chunks) to them; each rank
 builds the batch metadata itself and runs the same forward on its shard. A group lives
-and dies together: rank 0 exits when a rank does (`watch_ranks`), the ranks die with
-rank 0 (PR_SET_PDEATHSIG, and gloo errors when its peer's socket closes), so a dead rank
-is one dead worker to the supervisor, which restarts it and with it the whole group.
+and dies together: rank 0 exits when a rank does, or when a batch has run past
+`SUPERINFER_TP_STALL_S` (120 s; a stopped or stuck rank, which a collective would wait for
+forever) (`watch_ranks`); the ranks die with rank 0 (PR_SET_PDEATHSIG, and gloo errors
+when its peer's socket closes). So a dead or hung rank is one dead worker to the
+supervisor, which restarts it and with it the whole group.
 
 Covered: the plain-torch forward (`LlamaModel._forward_torch`) with dense or
 torch-quantized weights (float32, the tested reference; bfloat16/int8/int4 where this CPU
@@ -60,6 +62,9 @@ log = structlog.get_logger()
 # collective; a dead peer is noticed at once (closed socket, `watch_ranks`), not by this.
 GROUP_TIMEOUT = datetime.timedelta(days=7)
 JOIN_TIMEOUT_S = 300.0  # ranks loading the model before they join the group
+# A batch that has not finished after this long means a rank hangs (stopped, stuck): a
+# collective would wait for it forever, so rank 0 takes the group down instead.
+STALL_S = float(os.environ.get("SUPERINFER_TP_STALL_S", "120"))
 
 
 class TensorParallelError(SuperInferError):
@@ -167,6 +172,7 @@ class TPGroup:
     rank: int
     size: int
     store: Any  # torch.distributed.TCPStore
+    busy_since: float = 0.0  # rank 0: monotonic start of the batch in flight (0: none)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -185,13 +191,16 @@ class TPGroup:
         """Rank 0: send the batch, run this rank's part of it. A failure here would leave
         the other ranks waiting in a collective this rank never joins: the worker exits
         instead, and the supervisor restarts the group (DESIGN §6: batches are replayable)."""
-        self.send_batch(chunks)
+        self.busy_since = time.monotonic()
         try:
+            self.send_batch(chunks)
             return forward()
         except BaseException as e:
             log.error("tp_forward_failed", rank=self.rank, error=repr(e),
                       action="worker exits; the supervisor restarts the group")
             os._exit(70)
+        finally:
+            self.busy_since = 0.0
 
     def recv_batch(self) -> list[ScheduledChunk] | None:
         import torch.distributed as dist
@@ -270,8 +279,10 @@ def _spec_json(spec: RankSpec) -> dict[str, Any]:
 
 
 def watch_ranks(procs: list[subprocess.Popen[bytes]], stopping: threading.Event,
+                busy_since: Callable[[], float] = lambda: 0.0, stall_s: float = STALL_S,
                 poll_s: float = 0.1) -> threading.Thread:
-    """Rank 0: exit at once when a rank dies, so the supervisor restarts the group."""
+    """Rank 0: exit at once when a rank dies, or when a batch (started at `busy_since()`)
+    has run past `stall_s` (a stopped or stuck rank), so the supervisor restarts the group."""
 
     def run() -> None:
         while not stopping.is_set():
@@ -281,6 +292,12 @@ def watch_ranks(procs: list[subprocess.Popen[bytes]], stopping: threading.Event,
                     log.error("tp_rank_died", rank=r, pid=p.pid, code=code,
                               action="worker exits; the supervisor restarts the group")
                     os._exit(70)
+            since = busy_since()
+            if since and time.monotonic() - since > stall_s and not stopping.is_set():
+                log.error("tp_batch_stalled", seconds=round(time.monotonic() - since, 1),
+                          limit_s=stall_s, action="worker exits (its ranks with it); the "
+                          "supervisor restarts the group")
+                os._exit(70)
             time.sleep(poll_s)
 
     t = threading.Thread(target=run, name="tp-watch", daemon=True)
