@@ -128,25 +128,23 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # Nothing may fail between making the pool and recording it (stop() unlinks it).
         # A stop during the load above cancels this coroutine there: no pool is made.
         runner: ModelRunner | CudaModelRunner
+        # Grammars need the tokenizer; it is built the first time one comes (~1 s).
+        sampling = SamplingStates(mcfg.vocab_size, lambda: GrammarBank(
+            Tokenizer.from_source(source), mcfg.vocab_size))
         if built is not None:
             pool = DevicePool.create(shape.shape, dtype, POOL_DEVICE)
-            # Grammars need the tokenizer; it is built the first time one comes (~1 s).
-            sampling = SamplingStates(mcfg.vocab_size, lambda: GrammarBank(
-                Tokenizer.from_source(source), mcfg.vocab_size))
             runner = ModelRunner(built.model, pool.tensor, cfg.block_size, built.weights,
                                  sampling)
         else:
             from worker.cuda.setup import load_cuda  # Triton loads only on this path
 
             runner, pool = await asyncio.to_thread(load_cuda, mcfg, weights, shape.shape,
-                                                   dtype, cfg)
+                                                   dtype, cfg, sampling)
         self._loaded(runner, pool, _model_info(source, mcfg, cfg.block_size, fmt), device, t0)
 
     def _loaded(self, runner: ModelRunner | CudaModelRunner, pool: DevicePool,
                 info: scheduler_pb2.ModelInfo, device: str, t0: float) -> None:
-        # Sampling state (penalties, bias, grammars) lives in the CPU runner only so far.
-        release = runner.release if isinstance(runner, ModelRunner) else None
-        self.loaded = Loaded(runner, pool, info, BatchRunner(runner.execute, release))
+        self.loaded = Loaded(runner, pool, info, BatchRunner(runner.execute, runner.release))
         handle = pool.handle()
         if self.segments is not None and handle.shm_name:
             self.segments.add(handle.shm_name)
@@ -163,10 +161,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         source = resolve_model(cfg.model)
         check_source(n, source)  # before any rank starts
         run_dir = self.run_dir or Path(tempfile.mkdtemp(prefix="superinfer-tp-"))
-        for r in range(1, n):  # what ranks killed with the last group left in /dev/shm
-            reaped = SegmentRecord(run_dir / f"worker.rank{r}.shm").reap()
+        records = [SegmentRecord(run_dir / f"worker.rank{r}.shm") for r in range(1, n)]
+        for r, record in enumerate([self.segments, *records]):  # the last group's leftovers
+            reaped = record.reap() if record is not None else []
             if reaped:
-                log.warning("reaped_shm", rank=r, segments=reaped)
+                log.warning("reaped_shm", rank=r, segments=reaped,
+                            why="left in /dev/shm by a worker group that was killed")
         threads = threads_per_rank(n)
         store = master_store(n)
         # On this (the main) thread: the ranks' PR_SET_PDEATHSIG follows the forking thread.
@@ -221,7 +221,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             )
         chunks = [chunk_from_proto(c) for c in request.chunks]
         problem = _check_chunks(chunks, w.pool.num_blocks, w.runner.block_size,
-                                w.info.vocab_size, isinstance(w.runner, ModelRunner))
+                                w.info.vocab_size)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         try:
@@ -290,17 +290,10 @@ class TPRanks:
         stop_ranks(self.procs)
 
 
-def _check_chunks(
-    chunks: list[ScheduledChunk], num_blocks: int, block_size: int, vocab: int,
-    sampling_extras: bool = True,
-) -> str | None:
-    """A malformed batch must come back as an error, not crash the forward pass; so must
-    a chunk asking for what this runner cannot do (`sampling_extras`: logprobs, penalties,
-    logit bias, grammars; the CUDA runner has none of them yet), rather than be ignored."""
+def _check_chunks(chunks: list[ScheduledChunk], num_blocks: int, block_size: int,
+                  vocab: int) -> str | None:
+    """A malformed batch must come back as an error, not crash the forward pass."""
     for c in chunks:
-        if not sampling_extras and (c.stateful or c.logprobs >= 0 or c.prompt_logprob_targets):
-            return (f"{c.request_id}: logprobs, penalties, logit_bias and structured outputs "
-                    "run on the CPU worker only so far")
         end = c.start_pos + len(c.token_ids)
         if not c.token_ids or c.start_pos < 0:
             return f"{c.request_id}: empty chunk or negative start position"
