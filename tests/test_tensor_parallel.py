@@ -90,23 +90,25 @@ def _runner(shard, blocks: int) -> ModelRunner:  # type: ignore[no-untyped-def]
 
 
 def split_greedy(cfg: EngineConfig, prompts: list[list[int]], run_dir: Path,
-                 probe: list[ScheduledChunk] | None = None
+                 probe: list[ScheduledChunk] | None = None, lm_head: str = "replicated"
                  ) -> tuple[list[list[int]], torch.Tensor | None]:
     """Greedy tokens of `prompts` on cfg.tensor_parallel_size ranks: this process is rank
     0 (as the worker service is), ranks 1.. are real `python -m worker.tp_rank` processes
     started the way the worker starts them. With `probe`: also its logits."""
     n = cfg.tensor_parallel_size
     store = master_store(n)
-    procs = start_ranks(n, store, asdict(cfg), run_dir, "info")
+    procs = start_ranks(n, store, asdict(cfg), run_dir, "info", lm_head)
     group = None
     logits = None
     try:
-        shard = build_shard(cfg, 0, n)
+        shard = build_shard(cfg, 0, n, lm_head=lm_head)
         c = shard.model.cfg
         assert (c.num_heads * n, c.num_kv_heads * n) == (shard.full.num_heads,
                                                           shard.full.num_kv_heads)
         group = join_group(0, n, store)
         shard.model.reduce = group.all_reduce
+        if lm_head == "vocab":
+            shard.model.gather = group.gather_vocab
         runner = _runner(shard, BLOCKS)
         runner.group = group
         got = greedy(runner, prompts)
@@ -123,13 +125,14 @@ def split_greedy(cfg: EngineConfig, prompts: list[list[int]], run_dir: Path,
     return got, logits
 
 
-def test_two_ranks_equal_one(tiny: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("lm_head", ["replicated", "vocab"])
+def test_two_ranks_equal_one(tiny: Path, tmp_path: Path, lm_head: str) -> None:
     cfg = EngineConfig(model=str(tiny), dtype="float32", block_size=BS, device_blocks=BLOCKS,
                        tensor_parallel_size=2)
     whole = build_shard(cfg, 0, 1)
     ref = greedy(_runner(whole, BLOCKS), PROMPTS)
     probe = [ScheduledChunk("p", PROMPTS[-1], 0, list(range(12)), True, temperature=0.0)]
-    got, tp_logits = split_greedy(cfg, PROMPTS, tmp_path, probe)
+    got, tp_logits = split_greedy(cfg, PROMPTS, tmp_path, probe, lm_head)
     # The logits themselves: the same to fp32 rounding of the all-reduce's sum order.
     assert tp_logits is not None
     assert (tp_logits - _runner(whole, BLOCKS).forward(probe)).abs().max().item() < 1e-4

@@ -150,9 +150,11 @@ def tp_format(dtype: str, caps: Capabilities) -> Format:
 
 
 def build_shard(config: EngineConfig, rank: int, size: int,
-                reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Shard:
+                reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                lm_head: str = "replicated") -> Shard:
     """Load the model and keep rank `rank`'s shard (all ranks agree: same config).
-    `reduce`: the group's all-reduce (None only for a shard run alone, in tests)."""
+    `reduce`: the group's all-reduce (None only for a shard run alone, in tests);
+    `lm_head`: worker/tp.py LM_HEADS (with "vocab", set the model's `gather`)."""
     from worker.tp import check_split, shard_config, shard_weights
 
     t0 = time.perf_counter()
@@ -161,8 +163,9 @@ def build_shard(config: EngineConfig, rank: int, size: int,
     fmt = tp_format(config.dtype, caps)
     full, dense = load_weights(source.path, source.kind, torch.float32)
     check_split(size, full.num_heads, full.num_kv_heads, full.intermediate_size, source.name)
-    lm = LlamaModel(shard_config(full, rank, size), shard_weights(full, dense, rank, size),
-                    None, None, reduce=reduce, head=rank == 0)
+    lm = LlamaModel(shard_config(full, rank, size),
+                    shard_weights(full, dense, rank, size, lm_head), None, None, reduce=reduce,
+                    head=rank == 0 or lm_head == "vocab")
     del dense
     add_format(lm, fmt, caps)
     lm.keep_only(fmt.name)

@@ -63,20 +63,24 @@ class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
                  blocks: dict[str, RawMatrix] | None = None, ops: Any | None = None,
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 head: bool = True) -> None:
+                 head: bool = True,
+                 gather: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> None:
         """`weights`: the loader's dense fp32 tensors (worker/loader.py names); `blocks`:
         the same matrices as GGUF blocks, when the file has them; `ops`: the C++ kernels
         (worker/kernels.py), None for the pure-torch path.
 
         Tensor parallel (worker/tp.py): `cfg` and `weights` are one rank's shard, and
         `reduce` (the group's all-reduce) sums the row-parallel o and down outputs; a
-        rank with `head=False` stops after the last layer (only rank 0 samples)."""
+        rank with `head=False` stops after the last layer (only rank 0 samples). With a
+        vocab-parallel lm_head every rank computes its slice of the vocabulary and
+        `gather` returns the whole logits on rank 0 (None on the others)."""
         if reduce is not None and ops is not None:
             raise ValueError("tensor parallel runs the plain-torch forward (ops=None)")
         self.cfg = cfg
         self.ops = ops
         self.reduce = reduce
         self.head = head
+        self.gather = gather
         w, raw = weights, blocks or {}
         self.embed = w["embed_tokens"].float().contiguous()  # [V, D]
         self.norm = w["norm"].float().contiguous()
@@ -192,7 +196,11 @@ class LlamaModel:
         if not self.head:
             return torch.empty(0, cfg.vocab_size)
         hs = _rms(x.index_select(0, meta.logits_index), self.norm, cfg.rms_norm_eps)
-        return ws.head(hs).float()
+        logits = ws.head(hs).float()
+        if self.gather is None:
+            return logits
+        whole = self.gather(logits.contiguous())  # [S, V] on rank 0
+        return whole if whole is not None else torch.empty(0, cfg.vocab_size)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

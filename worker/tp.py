@@ -9,7 +9,9 @@ The split (Megatron-style, per layer):
   slice) and adds a partial sum to the residual stream, so each needs ONE all-reduce
   (two per layer);
 * embeddings and norms are replicated; lm_head is replicated and computed on rank 0 only
-  (the only rank that samples), so it needs no gather.
+  (the only rank that samples), so it needs no gather (`LM_HEADS`: "vocab" splits it by
+  vocabulary rows and gathers the logits on rank 0 instead; `superinfer bench tp`
+  measures both, the service runs "replicated").
 
 Each rank holds its shard of the block-first KV pool, `[num_blocks, layers, 2, bs,
 Hkv/N, hd]`, with the same block ids (worker/kv_pool.py): the scheduler's block tables do
@@ -60,6 +62,7 @@ log = structlog.get_logger()
 
 # A rank waits this long for the next batch (idle workers are normal) and for a peer in a
 # collective; a dead peer is noticed at once (closed socket, `watch_ranks`), not by this.
+LM_HEADS = ("replicated", "vocab")
 GROUP_TIMEOUT = datetime.timedelta(days=7)
 JOIN_TIMEOUT_S = 300.0  # ranks loading the model before they join the group
 # A batch that has not finished after this long means a rank hangs (stopped, stuck): a
@@ -134,9 +137,15 @@ def shard_config(cfg: ModelConfig, rank: int, n: int) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def shard_weights(cfg: ModelConfig, w: dict[str, torch.Tensor], rank: int, n: int
-                  ) -> dict[str, torch.Tensor]:
-    """The loader's dense weights (worker/loader.py names) cut to rank `rank` of `n`."""
+def shard_weights(cfg: ModelConfig, w: dict[str, torch.Tensor], rank: int, n: int,
+                  lm_head: str = "replicated") -> dict[str, torch.Tensor]:
+    """The loader's dense weights (worker/loader.py names) cut to rank `rank` of `n`;
+    lm_head whole, or (`lm_head="vocab"`) this rank's 1/n of the vocabulary rows."""
+    if lm_head not in LM_HEADS:
+        raise ValueError(f"lm_head must be one of {', '.join(LM_HEADS)}, got {lm_head!r}")
+    if lm_head == "vocab" and cfg.vocab_size % n:
+        raise TensorParallelError(f"a vocab-parallel lm_head needs the vocabulary "
+                                  f"({cfg.vocab_size}) to divide by {n}")
     hd = cfg.head_dim
     q, kv, f = cfg.num_heads // n * hd, cfg.num_kv_heads // n * hd, cfg.intermediate_size // n
 
@@ -159,6 +168,8 @@ def shard_weights(cfg: ModelConfig, w: dict[str, torch.Tensor], rank: int, n: in
             out[name] = cols(t, q)
         elif part == "down_proj":
             out[name] = cols(t, f)
+        elif name == "lm_head" and lm_head == "vocab":
+            out[name] = rows(t, cfg.vocab_size // n)
         else:  # embeddings, norms, lm_head: replicated
             out[name] = t
     return out
@@ -201,6 +212,17 @@ class TPGroup:
             os._exit(70)
         finally:
             self.busy_since = 0.0
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """Vocab-parallel lm_head: every rank's [S, V/N] slice -> [S, V] on rank 0."""
+        import torch.distributed as dist
+
+        if self.rank != 0:
+            dist.gather(logits, None, dst=0)
+            return None
+        parts = [torch.empty_like(logits) for _ in range(self.size)]
+        dist.gather(logits, parts, dst=0)
+        return torch.cat(parts, 1)
 
     def recv_batch(self) -> list[ScheduledChunk] | None:
         import torch.distributed as dist
@@ -253,15 +275,16 @@ class RankSpec:
     config: dict[str, Any]  # common.config.EngineConfig fields
     run_dir: str
     log_level: str = "info"
+    lm_head: str = "replicated"  # LM_HEADS
 
 
 def start_ranks(size: int, store: Any, config: dict[str, Any], run_dir: Path,
-                log_level: str) -> list[subprocess.Popen[bytes]]:
+                log_level: str, lm_head: str = "replicated") -> list[subprocess.Popen[bytes]]:
     """Rank 0 (on its main thread: PR_SET_PDEATHSIG follows the thread that forks): start
     ranks 1..size-1, their console into `<run_dir>/worker.rank<r>.out`."""
     procs = []
     for r in range(1, size):
-        spec = RankSpec(r, size, int(store.port), config, str(run_dir), log_level)
+        spec = RankSpec(r, size, int(store.port), config, str(run_dir), log_level, lm_head)
         out = open(run_dir / f"worker.rank{r}.out", "ab")  # noqa: SIM115 - the child's now
         try:
             procs.append(subprocess.Popen(

@@ -36,7 +36,7 @@ def rank_main(spec: RankSpec) -> int:
     cfg = EngineConfig(**spec.config)
     store = TCPStore("127.0.0.1", spec.store_port, spec.size, is_master=False,
                      timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
-    shard = build_shard(cfg, spec.rank, spec.size)
+    shard = build_shard(cfg, spec.rank, spec.size, lm_head=spec.lm_head)
     record = SegmentRecord(run_dir / f"worker.rank{spec.rank}.shm")
     record.reap()
     pool = DevicePool.create(shard_pool_shape(cfg, shard), shard.kv_dtype, "cpu")
@@ -45,6 +45,8 @@ def rank_main(spec: RankSpec) -> int:
     try:
         group = join_group(spec.rank, spec.size, store)
         shard.model.reduce = group.all_reduce
+        if spec.lm_head == "vocab":
+            shard.model.gather = group.gather_vocab
         store.set(f"shm/{spec.rank}", name)
         log.info("tp_rank_ready", rank=spec.rank, size=spec.size, pool=name,
                  heads=shard.model.cfg.num_heads, kv_heads=shard.model.cfg.num_kv_heads,
