@@ -1,8 +1,8 @@
 """The gateway in-process, against a scripted scheduler: the paths a real one rarely takes.
 
 The real-stack tests (test_gateway.py) cover outputs and the common errors; here a tiny
-scheduler stub that can refuse (RESOURCE_EXHAUSTED, INVALID_ARGUMENT), die mid-stream or
-fail lets every scheduler status be checked as the client sees it, quickly, together
+scheduler stub that can refuse (RESOURCE_EXHAUSTED, INVALID_ARGUMENT), die mid-stream (its
+token stream fails) or fail lets every scheduler status be checked as the client sees it, quickly, together
 with validation, auth, request ids and what the gateway tells the scheduler (sampling,
 SLO in seconds, Abort on a stop string). A byte-level tokenizer with no merges keeps
 text and ids trivially related.
@@ -59,28 +59,53 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.requests: list[scheduler_pb2.GenerateRequest] = []
         self.metadata: list[dict[str, str]] = []
         self.aborts: list[tuple[str, str]] = []
+        self.subscriptions: dict[str, asyncio.Queue[scheduler_pb2.TokenBatch | None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
         self.text_of: Callable[[list[int]], str] = lambda ids: ""
 
-    async def Generate(self, request: Any, context: Any) -> AsyncIterator[scheduler_pb2.TokenEvent]:  # noqa: N802
-        self.requests.append(request)
+    async def Subscribe(self, request: Any, context: Any) -> AsyncIterator[scheduler_pb2.TokenBatch]:  # noqa: N802
+        queue = self.subscriptions[request.subscriber_id] = asyncio.Queue()
+        yield scheduler_pb2.TokenBatch()
+        while (batch := await queue.get()) is not None:
+            yield batch
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler going down")
+
+    async def Submit(self, request: Any, context: Any) -> scheduler_pb2.SubmitReply:  # noqa: N802
+        m = request.request
+        self.requests.append(m)
         self.metadata.append({k: v for k, v in context.invocation_metadata()})
-        ids = list(request.prompt_token_ids)
-        text = self.text_of(ids)
+        text = self.text_of(list(m.prompt_token_ids))
         if text.startswith("!overload"):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
         if text.startswith("!invalid"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the scheduler says no")
+        queue = self.subscriptions.get(request.subscriber_id)
+        if queue is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "subscribe first")
+        task = asyncio.create_task(self._play(m, request.stream, text, queue))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return scheduler_pb2.SubmitReply(request_id=m.request_id)
+
+    async def _play(self, request: Any, stream: int, text: str, queue: Any) -> None:
+        """Echo the prompt, one batch per token, on the subscription."""
+        ids = list(request.prompt_token_ids)
         n = min(len(ids), request.sampling.max_tokens)
         for i in range(n):
             if text.startswith("!die") and i == 2:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler going down")
+                queue.put_nowait(None)  # the whole token stream fails
+                return
             if text.startswith("!error") and i == 1:
-                yield scheduler_pb2.TokenEvent(request_id=request.request_id, finish_reason="error")
+                ev = scheduler_pb2.TokenEvent(request_id=request.request_id, stream=stream,
+                                              finish_reason="error")
+                queue.put_nowait(scheduler_pb2.TokenBatch(events=[ev]))
                 return
             final = i == n - 1
             reason = ("length" if n < len(ids) else "stop") if final else ""
-            yield scheduler_pb2.TokenEvent(request_id=request.request_id, token_ids=[ids[i]],
-                                           finish_reason=reason, output_tokens=i + 1)
+            ev = scheduler_pb2.TokenEvent(request_id=request.request_id, stream=stream,
+                                          token_ids=[ids[i]], finish_reason=reason,
+                                          output_tokens=i + 1)
+            queue.put_nowait(scheduler_pb2.TokenBatch(events=[ev]))
             await asyncio.sleep(0.001)
 
     async def Abort(self, request: Any, context: Any) -> scheduler_pb2.AbortReply:  # noqa: N802
