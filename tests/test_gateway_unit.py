@@ -95,6 +95,8 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
             if text.startswith("!die") and i == 2:
                 queue.put_nowait(None)  # the whole token stream fails
                 return
+            if text.startswith("!hang") and i == 1:
+                return  # nothing more, ever: only the gateway's --request-timeout ends it
             if text.startswith("!error") and i == 1:
                 ev = scheduler_pb2.TokenEvent(request_id=request.request_id, stream=stream,
                                               finish_reason="error")
@@ -192,8 +194,28 @@ def test_scheduler_dying_mid_stream_ends_the_sse_with_an_error_event(tmp_path: P
         assert events[-1]["error"]["type"] == "service_unavailable"
         r = await c.post("/v1/completions", json={"prompt": "!die soon"})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        # The next request opens a new token stream and is served.
+        r = await c.post("/v1/completions", json={"prompt": "hello"})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "hello"
+        assert len(stub.subscriptions) == 3
 
     _run(tmp_path, body)
+
+
+def test_request_timeout_is_a_504_and_frees_the_request(tmp_path: Path) -> None:
+    async def body(c: httpx.AsyncClient, stub: ScriptedScheduler) -> None:
+        r = await c.post("/v1/completions", headers={"X-Request-ID": "slow-1"},
+                         json={"prompt": "!hang on"})
+        assert r.status_code == 504 and _error(r)["code"] == "scheduler_timeout"
+        for _ in range(100):  # the Abort is sent in the background
+            if ("slow-1", "abort") in stub.aborts:
+                break
+            await asyncio.sleep(0.01)
+        assert ("slow-1", "abort") in stub.aborts
+        r = await c.post("/v1/completions", json={"prompt": "fast"})  # the stream lives on
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "fast"
+
+    _run(tmp_path, body, request_timeout_s=0.3)
 
 
 def test_no_scheduler_means_503_everywhere_but_metrics(tmp_path: Path) -> None:
