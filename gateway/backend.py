@@ -1,8 +1,9 @@
 """The gateway's only link to the engine: a gRPC client of the scheduler.
 
-Every call carries a deadline (the Generate stream only when one is configured: a long
-generation is legitimate) and the request id as ``x-request-id`` metadata, so the
-scheduler's log lines can be matched to the gateway's. The model's facts (context
+Every call carries a deadline and the request id as ``x-request-id`` metadata, so the
+scheduler's log lines can be matched to the gateway's. Tokens come back on one stream for
+all requests (gateway/token_stream.py); a request's own deadline (``generate_timeout_s``,
+only when configured: a long generation is legitimate) is kept by `Generation`. The model's facts (context
 length, tokenizer source) are fetched once and cached; until the scheduler has answered,
 requests get a 503 rather than waiting.
 """
@@ -20,6 +21,7 @@ from common.errors import SuperInferError
 from common.modelfile import ModelKind, ModelSource
 from common.tokenizer import Tokenizer
 from gateway.errors import APIError, from_grpc, unavailable
+from gateway.token_stream import Item, TokenStream
 from proto import scheduler_pb2, scheduler_pb2_grpc
 
 # A lazy proxy, not get_logger(): a logger bound at import time would keep the default
@@ -36,6 +38,19 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """A request the scheduler admitted: where its events land."""
+
+    stream: TokenStream
+    number: int
+    queue: asyncio.Queue[Item]
+
+    def release(self) -> None:
+        """The request has ended here: its later events (if any) are dropped."""
+        self.stream.unregister(self.number)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +84,8 @@ class SchedulerBackend:
         # Fire-and-forget aborts must outlive a cancelled request task; keeping a
         # reference stops them being garbage-collected mid-flight.
         self._background: set[asyncio.Task[bool]] = set()
+        self._stream: TokenStream | None = None  # every request's events (token_stream.py)
+        self._stream_lock = asyncio.Lock()
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -77,6 +94,9 @@ class SchedulerBackend:
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
 
     async def close(self) -> None:
+        if self._stream is not None:
+            await self._stream.close()
+            self._stream = None
         if self._background:
             await asyncio.wait(self._background, timeout=self.rpc_timeout_s)
         if self._channel is not None:
@@ -147,18 +167,49 @@ class SchedulerBackend:
         return reply
 
     # -- requests ----------------------------------------------------------------------
-    def generate(
-        self, request: scheduler_pb2.GenerateRequest
-    ) -> grpc.aio.UnaryStreamCall[scheduler_pb2.GenerateRequest, scheduler_pb2.TokenEvent]:
-        """Start the token stream; errors surface while iterating it (see ``from_grpc``)."""
-        call: grpc.aio.UnaryStreamCall[scheduler_pb2.GenerateRequest, scheduler_pb2.TokenEvent] = (
-            self.stub.Generate(
-                request,
-                timeout=self.generate_timeout_s,
-                metadata=(("x-request-id", request.request_id),),
-            )
-        )
-        return call
+    async def submit(self, request: scheduler_pb2.GenerateRequest) -> Submitted:
+        """Admit a request at the scheduler; its events arrive in the returned queue.
+        Refusals raise ``APIError`` (see ``from_grpc``); a broken stream later arrives in
+        the queue as one."""
+        for attempt in (1, 2):
+            stream = await self._token_stream()
+            number, queue = stream.register()
+            try:
+                await self.stub.Submit(
+                    scheduler_pb2.SubmitRequest(request=request, subscriber_id=stream.subscriber_id,
+                                                stream=number),
+                    timeout=self.rpc_timeout_s,
+                    metadata=(("x-request-id", request.request_id),),
+                )
+            except grpc.aio.AioRpcError as e:
+                stream.unregister(number)
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION and attempt == 1:
+                    # The scheduler restarted since the stream was opened: open a new one.
+                    await stream.close()
+                    continue
+                if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                    self.abort_soon(request.request_id)  # it may have been admitted
+                raise from_grpc(e) from None
+            except asyncio.CancelledError:
+                stream.unregister(number)
+                self.abort_soon(request.request_id)
+                raise
+            return Submitted(stream, number, queue)
+        raise unavailable("the scheduler keeps restarting")
+
+    async def _token_stream(self) -> TokenStream:
+        """The live subscription, opened on first use and after the last one ended."""
+        if self._stream is not None and self._stream.live:
+            return self._stream
+        async with self._stream_lock:
+            if self._stream is None or not self._stream.live:
+                if self._stream is not None:
+                    await self._stream.close()
+                    self._stream = None
+                stream = TokenStream(self.stub)
+                await stream.open(self.rpc_timeout_s)
+                self._stream = stream
+        return self._stream
 
     async def abort(self, request_id: str, reason: str = "abort") -> bool:
         """Tell the scheduler to finish a request and free its blocks; False if unknown."""

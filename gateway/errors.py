@@ -119,16 +119,21 @@ _GRPC_BY_STATUS: dict[int, grpc.StatusCode] = {
 
 def from_grpc(err: grpc.aio.AioRpcError) -> APIError:
     """Translate the scheduler's gRPC status; its details become the message."""
-    status, code = _HTTP_BY_GRPC.get(err.code(), (500, "scheduler_error"))
-    detail = err.details() or err.code().name
+    return from_status(err.code(), err.details(), _retry_pushback_s(err))
+
+
+def from_status(grpc_code: grpc.StatusCode, details: str | None,
+                pushback_s: int | None = None) -> APIError:
+    """A scheduler status (a call's, or one its token stream carries), as the client sees it."""
+    status, code = _HTTP_BY_GRPC.get(grpc_code, (500, "scheduler_error"))
+    detail = details or grpc_code.name
     if status == 503:
         detail = f"the scheduler is unavailable ({detail}); retry shortly"
     elif status == 500:
         detail = f"the scheduler failed: {detail}"
     headers = {}
-    pushback = _retry_pushback_s(err)
-    if pushback is not None and status in (429, 503):
-        headers["Retry-After"] = str(pushback)
+    if pushback_s is not None and status in (429, 503):
+        headers["Retry-After"] = str(pushback_s)
     return APIError(status, detail, code=code, headers=headers)
 
 

@@ -1,6 +1,7 @@
 """One request's life in the gateway: submit, stream, detokenize, stop, clean up.
 
-The scheduler streams token ids; this turns them into text deltas (with stop strings
+The scheduler streams token ids (on the gateway's one token stream, which puts them in
+this request's queue); this turns them into text deltas (with stop strings
 held back by ``OutputTracker``), records latency metrics, and guarantees that a request
 which ends early for any reason — stop string, client gone, error, external abort —
 is aborted at the scheduler so its KV blocks are freed at once. Cleanup runs in
@@ -25,9 +26,10 @@ import structlog
 from common.contracts import TokenLogprob
 from common.output import OutputTracker
 from common.wire import logprob_from_proto
-from gateway.backend import ModelState, SchedulerBackend
-from gateway.errors import APIError, from_grpc
+from gateway.backend import ModelState, SchedulerBackend, Submitted
+from gateway.errors import APIError, from_status
 from gateway.metrics import GatewayMetrics
+from gateway.token_stream import Item
 from proto import scheduler_pb2
 
 # A lazy proxy, not get_logger(): a logger bound at import time would keep the default
@@ -117,7 +119,7 @@ class Generation:
         self._arrival = time.monotonic() if arrival is None else arrival
         self._first_token_at: float | None = None
         self._last_token_at = 0.0
-        self._call: grpc.aio.UnaryStreamCall[scheduler_pb2.GenerateRequest, scheduler_pb2.TokenEvent] | None = None
+        self._submitted: Submitted | None = None
         self._aborted = False
         self._started = False
         self._scheduler_done = False  # the scheduler finished it, or was told to
@@ -133,8 +135,8 @@ class Generation:
     def abort(self) -> None:
         """Abort on the client's behalf; the stream then ends with finish_reason "abort"."""
         self._aborted = True
-        if self._call is not None:
-            self._call.cancel()
+        if self._submitted is not None:
+            self._submitted.queue.put_nowait(None)  # wake the stream
 
     async def stream(self) -> AsyncGenerator[Delta, None]:
         """Deltas until the request finishes; scheduler errors raise ``APIError``."""
@@ -144,38 +146,37 @@ class Generation:
         outcome = "abort"
         try:
             self._active.add(self)
-            self._call = self._backend.generate(self._request)
+            self._submitted = await self._backend.submit(self._request)
             log.info("request submitted", request_id=self.request_id,
                      prompt_tokens=self.prompt_tokens, max_tokens=self._request.sampling.max_tokens)
-            try:
-                async for event in self._call:
-                    delta = self._on_event(event)
-                    if delta is None:
-                        continue
-                    if delta.finish_reason is not None:
-                        self._open -= 1
-                        if not self._open:
-                            outcome = self.finish_reason = delta.finish_reason
-                    if delta.text or delta.token_ids or delta.finish_reason:
-                        yield delta
-                    if self.finish_reason is not None:
-                        return
-            except grpc.aio.AioRpcError as e:
-                if not self._aborted:
-                    raise from_grpc(e) from None
-            except asyncio.CancelledError:
-                # Our own abort() cancels the call; a cancelled task must still unwind.
-                if not self._aborted or _task_is_cancelled():
-                    raise
-            if self._aborted:
-                outcome = self.finish_reason = "abort"
-                for i, choice in enumerate(self.choices):
-                    if choice.finish_reason is None:
-                        choice.finish_reason = "abort"
-                        yield Delta(choice.tracker.finish(), finish_reason="abort", index=i)
-                return
-            raise APIError(502, "the scheduler closed the stream before the request finished",
-                           code="scheduler_stream_ended")
+            queue = self._submitted.queue
+            timeout = self._backend.generate_timeout_s
+            deadline = None if timeout is None else self._arrival + timeout
+            while not self._aborted:
+                if deadline is None:
+                    event = await queue.get()
+                else:
+                    event = await _get_until(queue, deadline)
+                if event is None:
+                    continue  # abort() woke us
+                if isinstance(event, APIError):  # the token stream broke
+                    raise event
+                delta = self._on_event(event)
+                if delta is None:
+                    continue
+                if delta.finish_reason is not None:
+                    self._open -= 1
+                    if not self._open:
+                        outcome = self.finish_reason = delta.finish_reason
+                if delta.text or delta.token_ids or delta.finish_reason:
+                    yield delta
+                if self.finish_reason is not None:
+                    return
+            outcome = self.finish_reason = "abort"
+            for i, choice in enumerate(self.choices):
+                if choice.finish_reason is None:
+                    choice.finish_reason = "abort"
+                    yield Delta(choice.tracker.finish(), finish_reason="abort", index=i)
         except APIError as e:
             outcome = "rejected" if e.status < 500 else "error"
             raise
@@ -183,6 +184,9 @@ class Generation:
             self._cleanup(outcome)
 
     def _on_event(self, event: scheduler_pb2.TokenEvent) -> Delta | None:
+        if event.error:  # the scheduler could not serve it (recovery impossible, shutdown)
+            self._scheduler_done = True
+            raise from_status(grpc.StatusCode.UNAVAILABLE, event.error)
         if event.prompt_logprobs:
             self.prompt_logprobs.extend(logprob_from_proto(m) for m in event.prompt_logprobs)
         index = event.index
@@ -238,12 +242,12 @@ class Generation:
         self._metrics.generation_tokens.inc(n)
 
     def _cleanup(self, outcome: str) -> None:
-        if self._call is not None:
-            self._call.cancel()  # no-op once the stream has ended
-        if not self._scheduler_done and self._call is not None:
-            # Client gone, external abort, error or cancellation mid-stream: free the
-            # blocks now. The stop-string path already sent its own Abort(reason="stop").
-            self._backend.abort_soon(self.request_id, "abort")
+        if self._submitted is not None:
+            self._submitted.release()
+            if not self._scheduler_done:
+                # Client gone, external abort, error or cancellation mid-stream: free the
+                # blocks now. The stop-string path already sent its own Abort(reason="stop").
+                self._backend.abort_soon(self.request_id, "abort")
         self._active.remove(self)
         self._metrics.requests.labels(outcome).inc()
         e2e = time.monotonic() - self._arrival
@@ -255,6 +259,10 @@ class Generation:
                  e2e_s=round(e2e, 4))
 
 
-def _task_is_cancelled() -> bool:
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
+async def _get_until(queue: asyncio.Queue[Item], deadline: float) -> Item:
+    """The next item, or the gateway's --request-timeout as the scheduler's deadline
+    status would have said it."""
+    try:
+        return await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
+    except TimeoutError:
+        raise from_status(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None

@@ -142,6 +142,10 @@ SCHEDULER_SERIES: dict[str, Series] = {
     "swap_in_cached_blocks": _counter(_S + "swap_in_cached_blocks",
                                       "Blocks a swap-in found still cached on the device: not "
                                       "copied"),
+    "deferred_swap_ins": _counter(_S + "deferred_swap_ins",
+                                  "Pipelined admissions whose swap-ins waited for the batch in "
+                                  "flight: they computed from the batch after, not holding one "
+                                  "back"),
     # transfers (DuplexKV)
     "transfers": _counter(_S + "transfers", "Transfer batches sent to kvmem"),
     "transfer_s": _counter(_S + "transfer_seconds", "Wall time of Transfer calls, RPC included"),

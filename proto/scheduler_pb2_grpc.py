@@ -40,6 +40,16 @@ class SchedulerStub:
                 request_serializer=proto_dot_scheduler__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=proto_dot_scheduler__pb2.TokenEvent.FromString,
                 _registered_method=True)
+        self.Subscribe = channel.unary_stream(
+                '/superinfer.Scheduler/Subscribe',
+                request_serializer=proto_dot_scheduler__pb2.SubscribeRequest.SerializeToString,
+                response_deserializer=proto_dot_scheduler__pb2.TokenBatch.FromString,
+                _registered_method=True)
+        self.Submit = channel.unary_unary(
+                '/superinfer.Scheduler/Submit',
+                request_serializer=proto_dot_scheduler__pb2.SubmitRequest.SerializeToString,
+                response_deserializer=proto_dot_scheduler__pb2.SubmitReply.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/superinfer.Scheduler/Abort',
                 request_serializer=proto_dot_scheduler__pb2.AbortRequest.SerializeToString,
@@ -63,6 +73,25 @@ class SchedulerServicer:
 
     def Generate(self, request, context):
         """Submit a tokenized request; the scheduler streams back generated tokens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Subscribe(self, request, context):
+        """The gateway's token stream: one per gateway, for all of its requests. The first
+        message is empty (the subscription is live: Submit may name it); then one TokenBatch
+        per iteration with the new tokens of every request submitted to it. When the stream
+        ends, for any reason, the scheduler aborts the requests still on it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Submit(self, request, context):
+        """Admit a request whose events go to a subscription; refusals are Generate's statuses
+        (INVALID_ARGUMENT, ALREADY_EXISTS, RESOURCE_EXHAUSTED, UNAVAILABLE), and
+        FAILED_PRECONDITION when the subscription is not live.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -94,6 +123,16 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=proto_dot_scheduler__pb2.GenerateRequest.FromString,
                     response_serializer=proto_dot_scheduler__pb2.TokenEvent.SerializeToString,
+            ),
+            'Subscribe': grpc.unary_stream_rpc_method_handler(
+                    servicer.Subscribe,
+                    request_deserializer=proto_dot_scheduler__pb2.SubscribeRequest.FromString,
+                    response_serializer=proto_dot_scheduler__pb2.TokenBatch.SerializeToString,
+            ),
+            'Submit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Submit,
+                    request_deserializer=proto_dot_scheduler__pb2.SubmitRequest.FromString,
+                    response_serializer=proto_dot_scheduler__pb2.SubmitReply.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -139,6 +178,60 @@ class Scheduler:
             '/superinfer.Scheduler/Generate',
             proto_dot_scheduler__pb2.GenerateRequest.SerializeToString,
             proto_dot_scheduler__pb2.TokenEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Subscribe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/superinfer.Scheduler/Subscribe',
+            proto_dot_scheduler__pb2.SubscribeRequest.SerializeToString,
+            proto_dot_scheduler__pb2.TokenBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Submit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/superinfer.Scheduler/Submit',
+            proto_dot_scheduler__pb2.SubmitRequest.SerializeToString,
+            proto_dot_scheduler__pb2.SubmitReply.FromString,
             options,
             channel_credentials,
             insecure,

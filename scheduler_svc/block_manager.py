@@ -257,6 +257,11 @@ class BlockManager:
             return None
         return plan
 
+    @property
+    def num_late_swap_in(self) -> int:
+        """Swap-ins of the open plan that must wait for the batch in flight."""
+        return len(self._open.late_swap_in) if self._open is not None else 0
+
     def _plan(self) -> TransferPlan:
         if self._open is None:
             raise RuntimeError("block moves need begin_iteration() first")

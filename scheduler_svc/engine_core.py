@@ -16,7 +16,8 @@ Two shapes of the step (`pipeline`):
   its eager copies, and send batch t+1 so that it queues behind t on the worker, which fills
   each placeholder with its own sample from t (`worker/batches.py`). Then t's output lands.
   Rotate-outs of t+1 (t writes their last block) and swap-ins into blocks t may still
-  read are copied after t; batch t+1 waits for them only when it reads such a swap-in.
+  read are copied after t; batch t+1 waits for them only when it reads such a swap-in,
+  which the scheduler avoids by starting the request they are for one batch later.
   Those after-batch copies run beside batch t+1 and are awaited before planning t+2, so
   planning never hands out a block a copy still touches.
 
@@ -222,8 +223,8 @@ class EngineCore:
         prev = self._batch
         after = prev.out.iteration if prev is not None else 0
         # Batch t+1 queues behind t on the worker at once, unless it reads blocks that only
-        # the after-batch swap-ins fill.
-        wait_for_copies = late is not None and bool(late.swap_in)
+        # the after-batch swap-ins fill (the scheduler defers the requests they are for).
+        wait_for_copies = late is not None and _reads(out, late.swap_in)
         busy = prev is not None and not prev.task.done()
         self._batch = (self._launch(out, after, busy) if out.chunks and not wait_for_copies
                        else None)
@@ -363,3 +364,11 @@ class EngineCore:
     def _trace_copies(self, plan: TransferPlan, start: float, moved: TransferResult) -> None:
         assert self.trace is not None
         self.trace.copies(plan, start, moved.total_s, moved.d2h_s, moved.h2d_s)
+
+
+def _reads(out: SchedulerOutput, copies: list[tuple[int, int]]) -> bool:
+    """Does the batch read any block these (host, device) copies fill?"""
+    if not copies:
+        return False
+    filled = {d for _, d in copies}
+    return any(b in filled for c in out.chunks for b in c.block_table)

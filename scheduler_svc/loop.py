@@ -2,9 +2,11 @@
 
 The same engine step as `superinfer generate` (`scheduler_svc/engine_core.py`), with
 kvmem as its transfer engine and the worker as its executor (the lanes at the end of this
-file). What the loop adds is the service's own: each live request has an asyncio.Queue that its
-`Generate` stream drains; everything here runs on the event loop's thread, so scheduler
-state needs no lock — handlers and the loop take turns at `await` points.
+file). What the loop adds is the service's own: each live request's events go to a `StreamSink`
+— its own `EventQueue` that a `Generate` stream drains, or a subscription that carries
+every request of a gateway, one message per publish (`scheduler_svc/token_stream.py`);
+everything here runs on the event loop's thread, so scheduler state needs no lock —
+handlers and the loop take turns at `await` points.
 
 When an iteration fails (a peer died, restarted, or missed its deadline) no request is
 lost (DESIGN §6): the loop waits for both peers to serve again, re-attaches kvmem to the
@@ -21,6 +23,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+from typing import Protocol
 
 import grpc
 import structlog
@@ -64,6 +67,31 @@ class StreamEvent:
     logprobs: list[TokenLogprob] | None = None  # one per token, when asked for
     prompt_logprobs: list[TokenLogprob] | None = None  # echo: the next prompt tokens'
     cached_tokens: int = 0  # prompt tokens found in the prefix cache (final event)
+
+
+class StreamSink(Protocol):
+    """Where streams' events go: `deliver` for each event of a publish, then `flush` once."""
+
+    def deliver(self, stream_id: str, event: StreamEvent) -> None: ...
+
+    def flush(self) -> None: ...
+
+
+class EventQueue(asyncio.Queue[StreamEvent]):
+    """One stream's events, in order: the sink of a single `Generate` call."""
+
+    def deliver(self, stream_id: str, event: StreamEvent) -> None:
+        self.put_nowait(event)
+
+    def flush(self) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class _Route:
+    sink: StreamSink
+    stream_id: str  # what the client submitted: the request's id, or its group's (n > 1)
+    index: int = 0  # which choice
 
 
 @dataclass(slots=True)
@@ -147,11 +175,11 @@ class ServingLoop:
         self.trace = trace  # --trace: the iteration timeline (scheduler_svc/trace.py)
         self.core = EngineCore(scheduler, _WorkerLane(self), _KVMemLane(self), trace,
                                pipeline=scheduler.config.pipelined)
-        self.streams: dict[str, asyncio.Queue[StreamEvent]] = {}
+        self.streams: dict[str, _Route] = {}  # live request id -> where its events go
         # n > 1: a request's choices are scheduler requests of their own (fork.child_id),
-        # on one stream. Group id -> the choices' ids, and each choice's index.
+        # on one stream. Group id -> the choices' ids.
         self.groups: dict[str, list[str]] = {}
-        self._index: dict[str, int] = {}
+        self._dirty: set[StreamSink] = set()  # sinks given events since their last flush
         self.draining = False  # shutting down: no new requests
         self._work = asyncio.Event()
         self._outage: _Outage | None = None  # an iteration failed: recover before the next
@@ -164,28 +192,25 @@ class ServingLoop:
         return (request_id in self.scheduler.requests or request_id in self.streams
                 or request_id in self.groups)
 
-    def submit(self, req: Request, followers: list[Request] | None = None,
-               group_id: str | None = None) -> asyncio.Queue[StreamEvent]:
-        """Add a request (ValueError if the scheduler refuses it) and return its stream.
+    def submit(self, req: Request, sink: StreamSink, followers: list[Request] | None = None,
+               group_id: str | None = None) -> None:
+        """Add a request (ValueError if the scheduler refuses it), its events to `sink`.
         With followers (n > 1), all choices share one stream under `group_id`."""
-        queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
         if followers:
             choices = [req, *followers]
             self.scheduler.add_group(req, followers)
             assert group_id is not None
             self.groups[group_id] = [r.request_id for r in choices]
             for i, r in enumerate(choices):
-                self.streams[r.request_id] = queue
-                self._index[r.request_id] = i
+                self.streams[r.request_id] = _Route(sink, group_id, i)
         else:
             self.scheduler.add_request(req)
-            self.streams[req.request_id] = queue
+            self.streams[req.request_id] = _Route(sink, req.request_id)
         log.info("submit", request_id=group_id or req.request_id,
                  prompt_tokens=req.num_prompt_tokens, n=1 + len(followers or ()),
                  max_tokens=req.sampling.max_tokens, ttft_slo=req.slo.ttft_s,
                  tbt_slo=req.slo.tbt_s)
         self._work.set()
-        return queue
 
     def _members(self, request_id: str) -> list[str]:
         return self.groups.get(request_id, [request_id])
@@ -205,7 +230,6 @@ class ServingLoop:
         aborted = False
         for rid in self._members(request_id):
             self.streams.pop(rid, None)
-            self._index.pop(rid, None)
             aborted = self.scheduler.abort(rid) or aborted
         self.groups.pop(request_id, None)
         if aborted:
@@ -306,13 +330,16 @@ class ServingLoop:
             n_out = live.num_output_tokens if live else 0
             if req is None:
                 self._send(ev.request_id, StreamEvent(
-                    ev.new_token_ids, n_out, index=self._index.get(ev.request_id, 0),
-                    logprobs=ev.logprobs, prompt_logprobs=ev.prompt_logprobs))
+                    ev.new_token_ids, n_out, logprobs=ev.logprobs,
+                    prompt_logprobs=ev.prompt_logprobs))
             else:
                 self._final(req, ev.new_token_ids, now, reason, logprobs=ev.logprobs,
                             prompt_logprobs=ev.prompt_logprobs)
         for req in finished.values():
             self._final(req, [], now, reason, error)
+        for sink in self._dirty:
+            sink.flush()
+        self._dirty.clear()
 
     def _final(self, req: Request, tokens: list[int], now: float, reason: str | None,
                error: str | None = None, logprobs: list[TokenLogprob] | None = None,
@@ -325,14 +352,19 @@ class ServingLoop:
         log.info("finish", finish_reason=why, **summary)
         self._send(req.request_id,
                    StreamEvent(tokens, req.num_output_tokens, why, summary, error,
-                               self._index.pop(req.request_id, 0), logprobs, prompt_logprobs,
+                               logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                cached_tokens=req.num_cached_tokens or 0))
-        self.streams.pop(req.request_id, None)
+        route = self.streams.pop(req.request_id, None)
+        group = route.stream_id if route is not None else ""
+        if group in self.groups and not any(m in self.streams for m in self.groups[group]):
+            del self.groups[group]  # the group's last choice: its id is free again
 
     def _send(self, request_id: str, event: StreamEvent) -> None:
-        queue = self.streams.get(request_id)
-        if queue is not None:
-            queue.put_nowait(event)
+        route = self.streams.get(request_id)
+        if route is not None:
+            event.index = route.index
+            route.sink.deliver(route.stream_id, event)
+            self._dirty.add(route.sink)
 
     # -- failures ---------------------------------------------------------------------------
     def _on_failure(self, error: Exception) -> None:

@@ -85,6 +85,9 @@ class SchedulerStats:
     prefix_cache_host_queries: int = 0
     prefix_cache_host_hits: int = 0
     swap_in_cached_blocks: int = 0  # blocks a swap-in found cached on the device: no copy
+    # Pipelined: admissions whose swap-ins wait for the batch in flight; they compute from
+    # the batch after, so that the one they join does not wait for their copies.
+    deferred_swap_ins: int = 0
     recomputes: int = 0
     preemptions: int = 0
     finished: int = 0
@@ -452,6 +455,7 @@ class Scheduler:
                     or len(self.running) >= self._seat_limit):
                 break
             plan.xfer_used += cost
+            late = bm.num_late_swap_in
             if rotary:
                 self.stats.swap_in_cached_blocks += bm.swap_in(q)
                 self.rotary.remove(q)
@@ -459,11 +463,19 @@ class Scheduler:
             else:
                 self.waiting.remove(q)
                 self._count_prefix_hit(q, bm.attach_prefix(q))
-            bm.allocate(q, n)  # the chunk's new blocks (a swapped-in request may need one)
+            # Pipelined, blocks that the batch in flight still holds are filled only after
+            # it: computing q in this batch would hold every request in it back for that
+            # copy. q computes from the next batch on; the copy runs beside this one.
+            deferred = self.config.pipelined and bm.num_late_swap_in > late
+            if not deferred:
+                bm.allocate(q, n)  # the chunk's new blocks (a swapped-in request may need one)
             q.set_state(RequestState.RUNNING, plan.now)
             q.run_start_time = plan.now
             q.admitted_iteration = self.iteration
             self.running.append(q)
+            if deferred:
+                self.stats.deferred_swap_ins += 1
+                continue
             plan.tokens[q.request_id] = n
             plan.budget -= n
             if free_only:

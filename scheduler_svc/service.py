@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import math
 import uuid
 from collections.abc import AsyncIterator
@@ -25,13 +24,14 @@ from common.errors import RETRY_PUSHBACK_KEY
 from common.grammar import check as check_grammar
 from common.modelfile import resolve_model
 from common.tokenizer import Tokenizer
-from common.wire import grammar_from_proto, logprobs_to_proto
+from common.wire import grammar_from_proto
 from proto import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.fork import child_id, child_seed
-from scheduler_svc.loop import ServingLoop
+from scheduler_svc.loop import EventQueue, ServingLoop, StreamSink
 from scheduler_svc.remote import RPC_TIMEOUT_S, RemoteKVMem, RemoteWorker, wait_serving
 from scheduler_svc.request import SLO, InvalidSamplingParams, Request, SamplingParams
 from scheduler_svc.setup import build_scheduler, default_slo, model_identity
+from scheduler_svc.token_stream import Subscription, token_event_fields
 from scheduler_svc.trace import Trace
 
 log = structlog.get_logger()
@@ -53,6 +53,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.info = scheduler_pb2.ModelInfo()
         self.eos_token_ids: tuple[int, ...] = ()
         self._task: asyncio.Task[None] | None = None
+        self.subscriptions: dict[str, Subscription] = {}  # the gateways' token streams
 
     async def start(self, connect_timeout_s: float) -> None:
         """Reach the worker and kvmem, build the scheduler from their pools, start the loop."""
@@ -112,6 +113,73 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.TokenEvent]:
         loop = await self._serving(context)
+        queue = EventQueue()
+        rid = await self._start(loop, request, queue, context)
+        n_prompt = len(request.prompt_token_ids)
+        open_choices = request.n or 1
+        try:
+            while True:
+                ev = await queue.get()
+                if ev.error is not None:  # recovery was impossible, or shutdown: say why
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, ev.error)
+                yield scheduler_pb2.TokenEvent(**token_event_fields(rid, n_prompt, ev))
+                if ev.finish_reason:
+                    open_choices -= 1
+                    if not open_choices:
+                        return
+        finally:
+            # Normal end: a no-op. Client cancelled (CancelledError lands here): abort now,
+            # so the request's blocks return to the pool this very moment.
+            loop.drop(rid)
+
+    async def Subscribe(
+        self, request: scheduler_pb2.SubscribeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.TokenBatch]:
+        loop = await self._serving(context)
+        sid = request.subscriber_id
+        if not sid:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "subscriber_id is empty")
+        if sid in self.subscriptions:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"subscription {sid!r} is already live")
+        sub = self.subscriptions[sid] = Subscription(sid)
+        log.info("subscribed", subscriber_id=sid)
+        try:
+            yield scheduler_pb2.TokenBatch()  # live: Submit may name it from now on
+            while (batch := await sub.queue.get()) is not None:
+                yield batch
+        finally:
+            # The gateway went away (or we are shutting down): nobody will read these
+            # streams any more, so their blocks return to the pool now.
+            del self.subscriptions[sid]
+            live = list(sub.live)
+            for stream_id in live:
+                loop.drop(stream_id)
+            log.info("unsubscribed", subscriber_id=sid, dropped=len(live))
+
+    async def Submit(
+        self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.SubmitReply:
+        loop = await self._serving(context)
+        sub = self.subscriptions.get(request.subscriber_id)
+        if sub is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"no live subscription {request.subscriber_id!r}: Subscribe first")
+            raise RuntimeError("not reached: abort raises")
+        m = request.request
+        rid = await self._start(loop, m, sub, context)
+        sub.add(rid, request.stream, len(m.prompt_token_ids), m.n or 1)
+        return scheduler_pb2.SubmitReply(request_id=rid)
+
+    def close_subscriptions(self) -> None:
+        """Shutting down: end every subscription once its last events are sent."""
+        for sub in self.subscriptions.values():
+            sub.close()
+
+    async def _start(self, loop: ServingLoop, request: scheduler_pb2.GenerateRequest,
+                     sink: StreamSink, context: grpc.aio.ServicerContext) -> str:
+        """Admit and submit a request, its events to `sink`; its id. Aborts the call with
+        the status a refusal deserves."""
         if loop.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
         rid = request.request_id or f"req-{uuid.uuid4().hex}"
@@ -124,39 +192,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {n}")
             now = loop.scheduler.clock()
             if n == 1:
-                queue = loop.submit(self._request(rid, request, now))
+                loop.submit(self._request(rid, request, now), sink)
             else:
                 choices = [self._request(child_id(rid, i), request, now, i) for i in range(n)]
-                queue = loop.submit(choices[0], choices[1:], group_id=rid)
+                loop.submit(choices[0], sink, choices[1:], group_id=rid)
         except (InvalidSamplingParams, ValueError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        n_prompt = len(request.prompt_token_ids)
-        open_choices = n
-        try:
-            while True:
-                ev = await queue.get()
-                if ev.error is not None:  # recovery was impossible, or shutdown: say why
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, ev.error)
-                yield scheduler_pb2.TokenEvent(
-                    request_id=rid,
-                    token_ids=ev.token_ids,
-                    finish_reason=ev.finish_reason or "",
-                    prompt_tokens=n_prompt,
-                    output_tokens=ev.output_tokens,
-                    summary_json=json.dumps(ev.summary) if ev.summary is not None else "",
-                    index=ev.index,
-                    logprobs=logprobs_to_proto(ev.logprobs or ()),
-                    prompt_logprobs=logprobs_to_proto(ev.prompt_logprobs or ()),
-                    cached_tokens=ev.cached_tokens,
-                )
-                if ev.finish_reason:
-                    open_choices -= 1
-                    if not open_choices:
-                        return
-        finally:
-            # Normal end: a no-op. Client cancelled (CancelledError lands here): abort now,
-            # so the request's blocks return to the pool this very moment.
-            loop.drop(rid)
+        return rid
 
     async def _admit(self, loop: ServingLoop, rid: str, context: grpc.aio.ServicerContext) -> None:
         """Refuse a request past --max-queued-requests, with a retry hint (RESOURCE_EXHAUSTED).
@@ -280,6 +322,7 @@ class SchedulerDaemon(Daemon):
     async def drain(self) -> None:
         if self.service.loop is not None:
             await self.service.loop.drain(self.shutdown_grace_s)
+        self.service.close_subscriptions()
 
     async def stop(self) -> None:
         await self.service.stop()

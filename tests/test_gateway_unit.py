@@ -1,8 +1,8 @@
 """The gateway in-process, against a scripted scheduler: the paths a real one rarely takes.
 
 The real-stack tests (test_gateway.py) cover outputs and the common errors; here a tiny
-scheduler stub that can refuse (RESOURCE_EXHAUSTED, INVALID_ARGUMENT), die mid-stream or
-fail lets every scheduler status be checked as the client sees it, quickly, together
+scheduler stub that can refuse (RESOURCE_EXHAUSTED, INVALID_ARGUMENT), die mid-stream (its
+token stream fails) or fail lets every scheduler status be checked as the client sees it, quickly, together
 with validation, auth, request ids and what the gateway tells the scheduler (sampling,
 SLO in seconds, Abort on a stop string). A byte-level tokenizer with no merges keeps
 text and ids trivially related.
@@ -59,28 +59,55 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.requests: list[scheduler_pb2.GenerateRequest] = []
         self.metadata: list[dict[str, str]] = []
         self.aborts: list[tuple[str, str]] = []
+        self.subscriptions: dict[str, asyncio.Queue[scheduler_pb2.TokenBatch | None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
         self.text_of: Callable[[list[int]], str] = lambda ids: ""
 
-    async def Generate(self, request: Any, context: Any) -> AsyncIterator[scheduler_pb2.TokenEvent]:  # noqa: N802
-        self.requests.append(request)
+    async def Subscribe(self, request: Any, context: Any) -> AsyncIterator[scheduler_pb2.TokenBatch]:  # noqa: N802
+        queue = self.subscriptions[request.subscriber_id] = asyncio.Queue()
+        yield scheduler_pb2.TokenBatch()
+        while (batch := await queue.get()) is not None:
+            yield batch
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler going down")
+
+    async def Submit(self, request: Any, context: Any) -> scheduler_pb2.SubmitReply:  # noqa: N802
+        m = request.request
+        self.requests.append(m)
         self.metadata.append({k: v for k, v in context.invocation_metadata()})
-        ids = list(request.prompt_token_ids)
-        text = self.text_of(ids)
+        text = self.text_of(list(m.prompt_token_ids))
         if text.startswith("!overload"):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
         if text.startswith("!invalid"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the scheduler says no")
+        queue = self.subscriptions.get(request.subscriber_id)
+        if queue is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "subscribe first")
+        task = asyncio.create_task(self._play(m, request.stream, text, queue))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return scheduler_pb2.SubmitReply(request_id=m.request_id)
+
+    async def _play(self, request: Any, stream: int, text: str, queue: Any) -> None:
+        """Echo the prompt, one batch per token, on the subscription."""
+        ids = list(request.prompt_token_ids)
         n = min(len(ids), request.sampling.max_tokens)
         for i in range(n):
             if text.startswith("!die") and i == 2:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler going down")
+                queue.put_nowait(None)  # the whole token stream fails
+                return
+            if text.startswith("!hang") and i == 1:
+                return  # nothing more, ever: only the gateway's --request-timeout ends it
             if text.startswith("!error") and i == 1:
-                yield scheduler_pb2.TokenEvent(request_id=request.request_id, finish_reason="error")
+                ev = scheduler_pb2.TokenEvent(request_id=request.request_id, stream=stream,
+                                              finish_reason="error")
+                queue.put_nowait(scheduler_pb2.TokenBatch(events=[ev]))
                 return
             final = i == n - 1
             reason = ("length" if n < len(ids) else "stop") if final else ""
-            yield scheduler_pb2.TokenEvent(request_id=request.request_id, token_ids=[ids[i]],
-                                           finish_reason=reason, output_tokens=i + 1)
+            ev = scheduler_pb2.TokenEvent(request_id=request.request_id, stream=stream,
+                                          token_ids=[ids[i]], finish_reason=reason,
+                                          output_tokens=i + 1)
+            queue.put_nowait(scheduler_pb2.TokenBatch(events=[ev]))
             await asyncio.sleep(0.001)
 
     async def Abort(self, request: Any, context: Any) -> scheduler_pb2.AbortReply:  # noqa: N802
@@ -167,8 +194,28 @@ def test_scheduler_dying_mid_stream_ends_the_sse_with_an_error_event(tmp_path: P
         assert events[-1]["error"]["type"] == "service_unavailable"
         r = await c.post("/v1/completions", json={"prompt": "!die soon"})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        # The next request opens a new token stream and is served.
+        r = await c.post("/v1/completions", json={"prompt": "hello"})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "hello"
+        assert len(stub.subscriptions) == 3
 
     _run(tmp_path, body)
+
+
+def test_request_timeout_is_a_504_and_frees_the_request(tmp_path: Path) -> None:
+    async def body(c: httpx.AsyncClient, stub: ScriptedScheduler) -> None:
+        r = await c.post("/v1/completions", headers={"X-Request-ID": "slow-1"},
+                         json={"prompt": "!hang on"})
+        assert r.status_code == 504 and _error(r)["code"] == "scheduler_timeout"
+        for _ in range(100):  # the Abort is sent in the background
+            if ("slow-1", "abort") in stub.aborts:
+                break
+            await asyncio.sleep(0.01)
+        assert ("slow-1", "abort") in stub.aborts
+        r = await c.post("/v1/completions", json={"prompt": "fast"})  # the stream lives on
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "fast"
+
+    _run(tmp_path, body, request_timeout_s=0.3)
 
 
 def test_no_scheduler_means_503_everywhere_but_metrics(tmp_path: Path) -> None:

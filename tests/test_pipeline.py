@@ -262,6 +262,41 @@ def test_swap_ins_into_blocks_a_batch_may_read_wait_for_it(monkeypatch) -> None:
                        device_blocks=16, aborts={}, hold=True)
 
 
+def test_a_swapped_in_request_whose_blocks_are_filled_late_starts_a_batch_later(
+        monkeypatch) -> None:  # noqa: ANN001
+    """Such a swap-in is copied only after that batch; were the request in the next batch,
+    the whole batch (every other request) would wait for the copy. It joins the batch
+    after, so no batch ever waits for after-batch swap-ins, and the tokens stay exact.
+    Without the deferral the same workloads do make batches wait."""
+    import scheduler_svc.engine_core as core_mod
+    from scheduler_svc.block_manager import BlockManager
+
+    reads = core_mod._reads
+    waited: list[bool] = []
+
+    def recorded(out: SchedulerOutput, copies: list[tuple[int, int]]) -> bool:
+        waited.append(reads(out, copies))
+        return waited[-1]
+
+    monkeypatch.setattr(core_mod, "_reads", recorded)
+    prompts = [[i, i + 1, i + 2, 3 * i, 5] for i in range(12)]
+    lens = [20 + (i % 5) for i in range(12)]
+    deferred = 0
+    for seed in range(3):
+        ps = [[(t + seed) % 1000 for t in p] for p in prompts]
+        got, sched = _serve("swapped-first", ps, lens, device_blocks=16, aborts={})
+        _check(got, sched, ps, lens, set(), 16)
+        deferred += sched.stats.deferred_swap_ins
+    assert deferred > 0 and waited and not any(waited)
+
+    monkeypatch.setattr(BlockManager, "num_late_swap_in", property(lambda self: 0))
+    waited.clear()
+    for seed in range(3):
+        _serve("swapped-first", [[(t + seed) % 1000 for t in p] for p in prompts], lens,
+               device_blocks=16, aborts={})
+    assert any(waited)
+
+
 def _shared_workload(seed: int) -> tuple[list[list[int]], list[int], dict[int, int]]:
     """Eight prompts from two prefixes (some sent twice), half arriving while others run."""
     rng = random.Random(seed)

@@ -27,7 +27,7 @@ from common.shm import SharedTensor
 from common.wire import chunk_from_proto, chunk_to_proto, plan_to_proto
 from kvmem_svc.service import KVMemService
 from proto import kvmem_pb2, kvmem_pb2_grpc, worker_pb2
-from scheduler_svc.loop import ServingLoop, StreamEvent
+from scheduler_svc.loop import EventQueue, ServingLoop, StreamEvent
 from scheduler_svc.policy import make_policy
 from scheduler_svc.request import SLO, Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
@@ -318,8 +318,10 @@ def _loop(device_blocks: int = 16, pipelined: bool = False) -> tuple[ServingLoop
 def _submit(loop: ServingLoop, worker: FakeWorker, rid: str, prompt: list[int],
             n: int) -> asyncio.Queue[StreamEvent]:
     worker.truth[rid] = list(prompt)
-    return loop.submit(Request(rid, list(prompt), SamplingParams(max_tokens=n, ignore_eos=True),
-                               arrival_time=loop.scheduler.clock(), slo=SLO(0.05, 0.01)))
+    queue = EventQueue()
+    loop.submit(Request(rid, list(prompt), SamplingParams(max_tokens=n, ignore_eos=True),
+                        arrival_time=loop.scheduler.clock(), slo=SLO(0.05, 0.01)), queue)
+    return queue
 
 
 async def _settled(loop: ServingLoop) -> None:

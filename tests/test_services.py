@@ -265,6 +265,118 @@ def test_abort_with_stop_ends_the_stream_as_stopped(roomy: Stack, tokenizer: Tok
     assert_all_free(wait_idle(roomy))
 
 
+class Subscriber:
+    """A gateway's view of the scheduler: one Subscribe stream, requests by Submit."""
+
+    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub, subscriber_id: str) -> None:
+        self.stub = stub
+        self.id = subscriber_id
+        self.call = stub.Subscribe(scheduler_pb2.SubscribeRequest(subscriber_id=subscriber_id))
+        self.batches: list[scheduler_pb2.TokenBatch] = []
+
+    async def open(self) -> None:
+        first = await self.call.read()
+        assert first == scheduler_pb2.TokenBatch()  # the empty "live" message
+
+    async def submit(self, stream: int, req: scheduler_pb2.GenerateRequest) -> str:
+        reply = await self.stub.Submit(
+            scheduler_pb2.SubmitRequest(request=req, subscriber_id=self.id, stream=stream))
+        return str(reply.request_id)
+
+    async def read_until_done(self, choices: dict[int, int]
+                              ) -> dict[tuple[int, int], list[scheduler_pb2.TokenEvent]]:
+        """Events by (stream, choice) until every stream's `choices[stream]` choices ended."""
+        got: dict[tuple[int, int], list[scheduler_pb2.TokenEvent]] = {}
+        open_ = dict(choices)
+        while any(open_.values()):
+            batch = await asyncio.wait_for(self.call.read(), 120)
+            assert batch is not grpc.aio.EOF
+            self.batches.append(batch)
+            for ev in batch.events:
+                got.setdefault((ev.stream, ev.index), []).append(ev)
+                if ev.finish_reason:
+                    open_[ev.stream] -= 1
+        return got
+
+
+def test_subscription_carries_every_stream_batched_as_generate_would(
+        roomy: Stack, tokenizer: Tokenizer) -> None:
+    prompts = [tokenizer.encode(PROMPTS[i % len(PROMPTS)] + f" [{i}]") for i in range(8)]
+    lens = [6 + i for i in range(8)]
+    reqs = [_request(p, n, rid=f"sub-{i}", ignore_eos=True, temperature=0.0)
+            for i, (p, n) in enumerate(zip(prompts, lens))]
+    # Choice-sharing and logprobs travel too: n=2 sampled choices with their logprobs.
+    fork = scheduler_pb2.GenerateRequest(
+        request_id="sub-n2", prompt_token_ids=prompts[0], n=2,
+        sampling=common_pb2.SamplingParams(max_tokens=5, temperature=0.8, seed=7, logprobs=2,
+                                           ignore_eos=True))
+    want = generate_all(roomy.addr["scheduler"], reqs)
+
+    async def run() -> tuple[dict[tuple[int, int], list[scheduler_pb2.TokenEvent]], Subscriber]:
+        async with grpc.aio.insecure_channel(roomy.addr["scheduler"], options=CHANNEL_OPTIONS) as ch:
+            stub = scheduler_pb2_grpc.SchedulerStub(ch)
+            sub = Subscriber(stub, "test-gateway")
+            await sub.open()
+            # A second live subscription under the same id, or a Submit naming none, is refused.
+            dup = stub.Subscribe(scheduler_pb2.SubscribeRequest(subscriber_id="test-gateway"))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await dup.read()
+            assert e.value.code() is grpc.StatusCode.ALREADY_EXISTS
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Submit(scheduler_pb2.SubmitRequest(request=reqs[0], subscriber_id="nobody"))
+            assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            ids = await asyncio.gather(*(sub.submit(i + 1, r) for i, r in enumerate(reqs)),
+                                       sub.submit(100, fork))
+            assert ids == [r.request_id for r in reqs] + ["sub-n2"]
+            got = await sub.read_until_done({**{i + 1: 1 for i in range(8)}, 100: 2})
+            sub.call.cancel()
+            return got, sub
+
+    got, sub = asyncio.run(run())
+    for i, ((tokens, _), r) in enumerate(zip(want, reqs)):
+        evs = got[(i + 1, 0)]
+        assert [t for ev in evs for t in ev.token_ids] == tokens
+        assert {ev.request_id for ev in evs} == {r.request_id}
+        final = evs[-1]
+        assert final.finish_reason == "length" and final.output_tokens == len(tokens)
+        assert final.prompt_tokens == len(r.prompt_token_ids)
+        assert json.loads(final.summary_json)["output_tokens"] == len(tokens)
+    for index in (0, 1):
+        evs = got[(100, index)]
+        tokens = [t for ev in evs for t in ev.token_ids]
+        assert len(tokens) == 5 and evs[-1].finish_reason == "length"
+        assert [lp.token_id for ev in evs for lp in ev.logprobs] == tokens
+        assert all(len(lp.top_ids) == 2 for ev in evs for lp in ev.logprobs)
+    # Batched: the 10 streams' ~80 events came in far fewer messages, each naming its streams.
+    events = sum(len(b.events) for b in sub.batches)
+    assert events == sum(len(v) for v in got.values())
+    assert len(sub.batches) < events / 3
+    assert_all_free(wait_idle(roomy))
+
+
+def test_ending_a_subscription_aborts_its_requests_and_frees_their_blocks(
+        roomy: Stack, tokenizer: Tokenizer) -> None:
+    before = roomy.stats().counters["aborted"]
+
+    async def run() -> int:
+        async with grpc.aio.insecure_channel(roomy.addr["scheduler"], options=CHANNEL_OPTIONS) as ch:
+            sub = Subscriber(scheduler_pb2_grpc.SchedulerStub(ch), "gone-gateway")
+            await sub.open()
+            for i in range(3):
+                await sub.submit(i + 1, _request(tokenizer.encode(PROMPTS[i]), 500, ignore_eos=True))
+            tokens = 0
+            while tokens < 6:
+                batch = await sub.call.read()
+                tokens += sum(len(ev.token_ids) for ev in batch.events)
+            sub.call.cancel()  # the gateway went away mid-stream
+            return tokens
+
+    assert asyncio.run(run()) >= 6
+    s = wait_idle(roomy)
+    assert_all_free(s)
+    assert s.counters["aborted"] == before + 3
+
+
 @pytest.mark.parametrize(
     ("req", "message"),
     [
