@@ -921,29 +921,31 @@ def _merge_runs(
         head = (key(run[j][2], now), i)
         if head < nxt:  # run i leads on: find where its lead ends
             lo, step = j, 1  # run[lo] comes before nxt
+            hi = n  # the first entry that does not (or the end), and its key:
+            stop: tuple[tuple[object, ...], int] | None = None
             while True:
                 probe = j + step
                 if probe >= n:
-                    hi, head = n, None
                     break
                 k = (key(run[probe][2], now), i)
                 if not k < nxt:
-                    hi, head = probe, k
+                    hi, stop = probe, k
                     break
                 lo, step = probe, step * 2
-            while hi - lo > 1:  # run[lo] comes before nxt, run[hi] (or the end) does not
+            while hi - lo > 1:
                 mid = (lo + hi) // 2
                 k = (key(run[mid][2], now), i)
                 if k < nxt:
                     lo = mid
                 else:
-                    hi, head = mid, k
+                    hi, stop = mid, k
             for e in run[j:hi]:
                 yield e[2]
             j = hi
-            if head is None:  # run i is done
+            if stop is None:  # run i is done
                 heapq.heappop(heap)
                 continue
+            head = stop
         pos[i] = j
         heapq.heapreplace(heap, head)
     if heap:  # one run left: the rest of it in order, no keys needed
