@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from common.contracts import TokenLogprob
 from gateway import openai_schema as s
-from gateway import prompts
+from gateway import prompts, tools
 from gateway.backend import ModelState
 from gateway.context import GatewayContext
 from gateway.errors import APIError
@@ -70,7 +70,7 @@ async def create_chat_completion(body: s.ChatCompletionRequest, request: Request
         model = await ctx.backend.model()
         _precheck(ctx, body, model)
         ids = await prompts.tokenize(
-            prompts.chat_prompt_ids, body.messages, model.tokenizer,
+            prompts.chat_prompt_ids, body.messages, model.tokenizer, body.tool_mode(),
             size=sum(len(m.text()) for m in body.messages),
         )
         gen = _generation(ctx, request, body, model, ids, body.requested_max_tokens, "messages")
@@ -305,6 +305,24 @@ class _CompletionFormat(_Format):
 class _ChatFormat(_Format):
     def __init__(self, request: Request, model: ModelState, body: s.ChatCompletionRequest) -> None:
         super().__init__(request, model, body, "chatcmpl")
+        self.tools = body.tool_mode()
+        self._streams: dict[int, tools.ContentStream] = {}  # streaming: per choice
+
+    def _finish_reason(self, parsed: tools.Parsed, reason: str | None) -> str | None:
+        # OpenAI: "tool_calls" when the model chose to call; a forced (named) call ends
+        # with "stop"; a call cut short keeps "length".
+        if parsed.calls and reason == "stop" and self.tools.kind != "named":
+            return "tool_calls"
+        return reason
+
+    def _message(self, c: Choice) -> tuple[s.ChatResponseMessage, str | None]:
+        if not self.tools.active:
+            return s.ChatResponseMessage(content=c.text), c.finish_reason
+        parsed = tools.parse(self.tools, c.text)
+        calls = [s.ToolCall(id=k.id, function=s.ToolCallFunction(name=k.name, arguments=k.arguments))
+                 for k in parsed.calls] or None
+        return (s.ChatResponseMessage(content=parsed.content, tool_calls=calls),
+                self._finish_reason(parsed, c.finish_reason))
 
     def _chunk(self, choices: list[s.ChatChunkChoice]) -> s.ChatCompletionChunk:
         return s.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices)
@@ -319,13 +337,25 @@ class _ChatFormat(_Format):
 
     def chunks(self, delta: Delta, gen: Generation, include_usage: bool) -> list[str]:
         out = []
-        if delta.text or (self.logprobs and delta.logprobs):
-            choice = s.ChatChunkChoice(index=delta.index, delta=s.ChatDelta(content=delta.text),
+        stream = self._streams.setdefault(delta.index, tools.ContentStream(self.tools))
+        text = stream.feed(delta.text)
+        if text or (self.logprobs and delta.logprobs):
+            choice = s.ChatChunkChoice(index=delta.index, delta=s.ChatDelta(content=text),
                                        logprobs=self._logprobs(delta.logprobs))
             out.append(self._dump(self._chunk([choice]), include_usage))
         if delta.finish_reason is not None:
+            reason: str | None = delta.finish_reason
+            if self.tools.active:
+                parsed = stream.finish()
+                reason = self._finish_reason(parsed, reason)
+                calls = [s.DeltaToolCall(index=i, id=k.id, function=s.ToolCallFunction(
+                    name=k.name, arguments=k.arguments)) for i, k in enumerate(parsed.calls)]
+                if calls or parsed.content:
+                    rest = s.ChatDelta(content=parsed.content, tool_calls=calls or None)
+                    out.append(self._dump(self._chunk([s.ChatChunkChoice(
+                        index=delta.index, delta=rest)]), include_usage))
             choice = s.ChatChunkChoice(index=delta.index, delta=s.ChatDelta(),
-                                       finish_reason=delta.finish_reason)
+                                       finish_reason=reason)
             out.append(self._dump(self._chunk([choice]), include_usage))
         return out
 
@@ -335,12 +365,12 @@ class _ChatFormat(_Format):
         return chunk.model_dump_json()
 
     def response(self, gen: Generation) -> s.ChatCompletionResponse:
-        choices = [
-            s.ChatChoice(index=i, message=s.ChatResponseMessage(content=c.text),
-                         finish_reason=c.finish_reason,
-                         logprobs=self._logprobs(c.logprobs[: _visible(c, self.texts)]))
-            for i, c in enumerate(_ranked(gen, self.n))
-        ]
+        choices = []
+        for i, c in enumerate(_ranked(gen, self.n)):
+            message, reason = self._message(c)
+            choices.append(s.ChatChoice(
+                index=i, message=message, finish_reason=reason,
+                logprobs=self._logprobs(c.logprobs[: _visible(c, self.texts)])))
         return s.ChatCompletionResponse(
             id=self.id, created=self.created, model=self.model, choices=choices, usage=_usage(gen)
         )

@@ -2,13 +2,14 @@
 
 Requests are validated strictly (a string where a number belongs is a 400, not a silent
 coercion) and unknown fields are ignored, as OpenAI clients send many optional ones.
-Fields that would change the output in a way SuperInfer cannot honour (tools, suffix)
-are rejected by name instead of being ignored, so a client never gets a result that
+Fields that would change the output in a way SuperInfer cannot honour (suffix) are
+rejected by name instead of being ignored, so a client never gets a result that
 silently differs from what it asked for. Sampling fields follow OpenAI's ranges and
 vLLM's extras: n and best_of up to 32 choices, penalties (presence and frequency in
 [-2, 2], repetition in (0, 2]), logit_bias (at most 300 token ids, values in [-100, 100]),
-logprobs / top_logprobs up to 20, echo, and structured outputs (`response_format` and
-vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`).
+logprobs / top_logprobs up to 20, echo, structured outputs (`response_format` and
+vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`), and function
+calling (`tools`, `tool_choice`, `parallel_tool_calls`: gateway/tools.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pydantic import (
 )
 
 from common.contracts import Grammar
+from gateway.tools import Function, ToolMode, tool_mode
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -38,7 +40,6 @@ MAX_CHOICES = 32  # n and best_of (the scheduler's limit too)
 MAX_LOGPROBS = 20  # top logprobs per token
 MAX_LOGIT_BIAS = 300  # token ids one logit_bias may name, as OpenAI allows
 
-ChatRole = Literal["system", "user", "assistant"]
 # OpenAI's newer name for the system role.
 _ROLE_ALIASES = {"developer": "system"}
 
@@ -218,18 +219,48 @@ class CompletionRequest(SamplingRequest):
         return super().unsupported()
 
 
+TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+class FunctionDef(_Request):
+    name: str = Field(..., pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; absent: no parameters
+    strict: bool | None = None  # the schema is always enforced where it is (named, required)
+
+
+class ToolDef(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Request):
     role: str
     # A string, or a list of {"type": "text", "text": ...} parts (checked below).
     content: Any = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
     @field_validator("role")
     @classmethod
     def _check_role(cls, v: str) -> str:
         v = _ROLE_ALIASES.get(v, v)
-        if v not in ("system", "user", "assistant"):
-            raise ValueError(f"role {v!r} is not supported; use system, user or assistant")
+        if v not in ("system", "user", "assistant", "tool"):
+            raise ValueError(f"role {v!r} is not supported; use system, user, assistant or tool")
         return v
 
     @field_validator("content")
@@ -254,20 +285,54 @@ class ChatMessage(_Request):
             return self.content
         return "".join(p["text"] for p in self.content)
 
+    def openai(self) -> dict[str, Any]:
+        """The message as a chat template reads it: role, text, and its tool fields."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
-    tools: list[Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def top_logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def tool_mode(self) -> ToolMode:
+        """ValueError for a tool_choice that names nothing given (see gateway/tools.py)."""
+        functions = [Function(t.function.name, t.function.description,
+                              t.function.parameters or {"type": "object", "properties": {}})
+                     for t in self.tools or ()]
+        return tool_mode(functions, self.tool_choice, self.parallel_tool_calls)
+
+    def grammar(self) -> tuple[str, Grammar] | None:
+        """A named or required tool_choice constrains the output like a JSON schema (and
+        then no other structured output may be given)."""
+        schema = self.tool_mode().schema()
+        given = super().grammar()
+        if schema is None:
+            return given
+        if given is not None:
+            raise ValueError(f"tool_choice {self.tool_choice!r} constrains the output already; "
+                             f"drop {given[0]}")
+        return "tool_choice", Grammar("json_schema", json.dumps(schema))
+
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tools:
-            return "tools", "tools (function calling) are not supported"
+        try:
+            mode = self.tool_mode()
+        except ValueError as e:
+            return "tool_choice", str(e)
+        if mode.constrained and self.best_of is not None:
+            return "best_of", "best_of cannot rank tool calls"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
         if self.best_of is not None:
@@ -353,7 +418,15 @@ class ChatLogprobs(_Response):
 
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(_Response):
@@ -373,11 +446,21 @@ class ChatCompletionResponse(_Response):
     usage: Usage | None = None
 
 
+class DeltaToolCall(_Response):
+    """A call in a stream: sent whole, once (its arguments in one piece)."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatDelta(_Response):
     """Only the fields that changed, as OpenAI sends them (the final delta is ``{}``)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

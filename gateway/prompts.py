@@ -19,6 +19,7 @@ from common.tokenizer import Tokenizer
 from common.wire import grammar_to_proto
 from gateway.errors import APIError, from_superinfer, invalid
 from gateway.openai_schema import INT32_MAX, MAX_LOGIT_BIAS, MAX_LOGPROBS, ChatMessage, SLOSpec
+from gateway.tools import NO_TOOLS, ToolMode, prompt_messages, template_speaks_tools
 from proto import common_pb2
 
 T = TypeVar("T")
@@ -92,11 +93,14 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
     return list(ids)
 
 
-def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer) -> list[int]:
-    """Render the conversation with the model's chat template, then encode it."""
-    plain = [{"role": m.role, "content": m.text()} for m in messages]
+def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer,
+                    mode: ToolMode = NO_TOOLS) -> list[int]:
+    """Render the conversation with the model's chat template (with the request's tools,
+    gateway/tools.py), then encode it."""
+    native = template_speaks_tools(tokenizer.chat_template)
+    plain, variables = prompt_messages([m.openai() for m in messages], mode, native)
     try:
-        text = tokenizer.apply_chat_template(plain, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(plain, add_generation_prompt=True, **variables)
     except SuperInferError as e:
         raise from_superinfer(e, param="messages") from e
     # The rendered text carries its own special tokens (BOS where the model wants one).

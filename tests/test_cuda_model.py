@@ -187,3 +187,52 @@ def test_cuda_graph_replay_equals_the_eager_forward(weights: dict[str, torch.Ten
         assert (got - want).abs().max().item() < 1e-4
         assert torch.allclose(pool, after, atol=1e-5)
     assert graphed.graph_steps == 3 and graphed.eager_steps == 0
+
+
+def test_runner_gives_logprobs_echo_penalties_and_bias_as_the_cpu_path(
+        weights: dict[str, torch.Tensor], hf_logits) -> None:  # type: ignore[no-untyped-def]
+    """What the OpenAI surface asks of a worker beyond plain sampling, on the CUDA runner:
+    the sampled token's logprobs with the top k, echo's prompt logprobs, and penalties and
+    logit bias through the per-request sampling state, equal to the CPU path's math
+    (worker/logits_processing.py) over transformers' logits."""
+    from common.contracts import SamplingState
+    from worker.logits_processing import process
+    from worker.sampling_state import SamplingStates
+
+    cfg = tiny_config()
+    rng = np.random.default_rng(1)
+    a, b = rng.integers(0, cfg.vocab_size, 9).tolist(), rng.integers(0, cfg.vocab_size, 6).tolist()
+    pool = torch.zeros((8, cfg.num_layers, 2, BS, cfg.num_kv_heads, cfg.head_dim), device=DEVICE)
+    runner = CudaModelRunner(CudaLlama(cfg, dict(weights), DEVICE, torch.float32), pool, BS,
+                             max_batch=4)
+    ref_a, ref_b = torch.log_softmax(hf_logits(a), -1), hf_logits(b)[-1]
+    banned = int(ref_b.argmax())
+    forced = int(ref_b.argmin())  # the least likely token, made certain by the bias
+    state = SamplingState(logit_bias={forced: 100.0, banned: -100.0}, prompt_token_ids=b)
+    ca = ScheduledChunk("a", a, 0, [3, 1, 6], True, temperature=0.0, logprobs=2,
+                        prompt_logprob_targets=a[1:])
+    cb = ScheduledChunk("b", b, 0, [5, 0], True, temperature=0.0, repetition_penalty=1.3,
+                        stateful=True, state=state)
+    res = runner.execute([ca, cb])
+
+    # a: greedy, its logprob and top 2 are the reference's; echo scores a[1:] in order
+    lp = res.logprobs["a"]
+    assert lp.token_id == res.sampled["a"] == int(ref_a[-1].argmax())
+    assert abs(lp.logprob - ref_a[-1, lp.token_id].item()) < 1e-4
+    assert lp.top_ids == torch.topk(ref_a[-1], 2).indices.tolist()
+    echo = res.prompt_logprobs["a"]
+    assert [e.token_id for e in echo] == a[1:]
+    worst = max(abs(e.logprob - ref_a[i, a[i + 1]].item()) for i, e in enumerate(echo))
+    assert worst < 1e-4, worst
+    assert "b" not in res.logprobs and "b" not in res.prompt_logprobs
+
+    # b: bias and repetition penalty as the CPU path applies them to the same logits
+    assert res.sampled["b"] == forced
+    params = SamplingStates(cfg.vocab_size).params([cb])
+    assert res.sampled["b"] == int(process(ref_b[None], params)[0].argmax())
+    # The state is kept: the next decode of b needs no state sent, and release drops it.
+    nxt = ScheduledChunk("b", [forced], len(b), [5, 0], True, temperature=0.0,
+                         output_index=1, repetition_penalty=1.3, stateful=True)
+    assert runner.execute([nxt]).sampled["b"] == forced
+    runner.release(["b"])
+    assert "b" not in runner.sampling

@@ -13,58 +13,22 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from common.daemon import free_port
 from tests.prompts import PROMPTS
-from tests.test_recovery import (
-    DEVICE_BLOCKS,
-    START_TIMEOUT_S,
-    Serve,
-    Stream,
-    _wait_ready,
-    kill,
-    next_token_after,
-    run_load,
-    until,
-)
+from tests.test_recovery import Serve, Stream, kill, next_token_after, run_load, serving, until
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
 def gpu_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
-    run_dir = tmp_path_factory.mktemp("gpu_recovery")
-    ports = {n: free_port() for n in ("http", "scheduler", "worker", "kvmem")}
-    argv = [
-        sys.executable, "-m", "superinfer.cli", "serve", "--run-dir", str(run_dir),
-        "--port", str(ports["http"]), "--grpc-port", "0",
-        "--scheduler-port", str(ports["scheduler"]), "--worker-port", str(ports["worker"]),
-        "--kvmem-port", str(ports["kvmem"]), "--device-blocks", str(DEVICE_BLOCKS),
-        "--host-blocks", "256", "--restart-backoff", "0.1", "--shutdown-grace", "2",
-        "--device", "cuda", "--dtype", "bfloat16",
-    ]
-    with (run_dir / "serve.out").open("wb") as out, (run_dir / "serve.err").open("wb") as err:
-        proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
-    s = Serve(proc, run_dir, f"http://127.0.0.1:{ports['http']}",
-              f"127.0.0.1:{ports['scheduler']}")
-    try:
-        _wait_ready(s, START_TIMEOUT_S)
+    with serving(tmp_path_factory.mktemp("gpu_recovery"), "--device", "cuda",
+                 "--dtype", "bfloat16") as s:
         yield s
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def test_worker_kill9_under_load_on_the_gpu(gpu_serve: Serve) -> None:

@@ -117,31 +117,33 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    run_dir = tmp_path_factory.mktemp("gateway-stack")
+@contextlib.contextmanager
+def start_stack(run_dir: Path, reference_script: str, reference_stdin: str, device_blocks: int,
+                host_blocks: int, trace: bool = False) -> Iterator[Stack]:
+    """worker + kvmem + scheduler + gateway under a Supervisor, and beside them (started
+    first, so that it runs while the services load) the in-process reference: a script
+    that reads reference_stdin and prints one JSON line, Stack.reference."""
     ports = {name: free_port() for name in ("worker", "kvmem", "scheduler", "http", "grpc")}
     addr = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
-    # Started first so that it runs while the services load.
-    spec_file = run_dir / "reference-in.json"
-    spec_file.write_text(json.dumps(
-        {"plain": PLAIN_PROMPTS, "chat": CHAT_PROMPTS, "max_tokens": MAX_TOKENS}))
     ref_out, ref_err = run_dir / "reference-out.json", run_dir / "reference.err"
-    with spec_file.open() as stdin, ref_out.open("w") as stdout, ref_err.open("w") as stderr:
-        reference_proc = subprocess.Popen([sys.executable, "-c", _REFERENCE_SCRIPT],
-                                          stdin=stdin, stdout=stdout, stderr=stderr,
-                                          env={**os.environ, **CHILD_ENV})
-
+    with ref_out.open("w") as stdout, ref_err.open("w") as stderr:
+        reference_proc = subprocess.Popen([sys.executable, "-c", reference_script],
+                                          stdin=subprocess.PIPE, stdout=stdout, stderr=stderr,
+                                          env={**os.environ, **CHILD_ENV}, text=True)
+        assert reference_proc.stdin is not None
+        reference_proc.stdin.write(reference_stdin)
+        reference_proc.stdin.close()
     cli = [sys.executable, "-m", "superinfer.cli"]
     common = ["--run-dir", str(run_dir), "--host", "127.0.0.1"]
+    traced = ["--trace", str(run_dir / "scheduler.trace.json")] if trace else []
     specs = [
         ServiceSpec("worker", [*cli, "worker", *common, "--port", str(ports["worker"]),
-                               "--device-blocks", str(DEVICE_BLOCKS)], grpc_probe(addr["worker"])),
+                               "--device-blocks", str(device_blocks)], grpc_probe(addr["worker"])),
         ServiceSpec("kvmem", [*cli, "kvmem", *common, "--port", str(ports["kvmem"]),
-                              "--host-blocks", "512"], grpc_probe(addr["kvmem"])),
+                              "--host-blocks", str(host_blocks)], grpc_probe(addr["kvmem"])),
         ServiceSpec("scheduler", [*cli, "scheduler", *common, "--port", str(ports["scheduler"]),
                                   "--worker-addr", addr["worker"], "--kvmem-addr", addr["kvmem"],
-                                  "--trace", str(run_dir / "scheduler.trace.json")],
+                                  *traced],
                     grpc_probe(addr["scheduler"])),
         ServiceSpec("gateway", [*cli, "gateway", *common, "--port", str(ports["http"]),
                                 "--grpc-port", str(ports["grpc"]),
@@ -164,6 +166,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             reference_proc.kill()
             reference_proc.wait()
         sup.stop_all()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    spec = {"plain": PLAIN_PROMPTS, "chat": CHAT_PROMPTS, "max_tokens": MAX_TOKENS}
+    with start_stack(tmp_path_factory.mktemp("gateway-stack"), _REFERENCE_SCRIPT,
+                     json.dumps(spec), DEVICE_BLOCKS, 512, trace=True) as s:
+        yield s
 
 
 def _error(resp: httpx.Response) -> dict[str, Any]:

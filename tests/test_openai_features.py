@@ -10,24 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
-import httpx
 import jsonschema
 import openai
 import pytest
 
-from common.daemon import free_port
 from proto import client_pb2, client_pb2_grpc, common_pb2
-from superinfer.probes import grpc_probe, http_probe
-from superinfer.supervisor import ServiceSpec, Supervisor
-from tests.test_gateway import CHILD_ENV, STARTUP_TIMEOUT_S, Stack, _environment, _error
+from tests.test_gateway import Stack, _error, start_stack
 from tests.test_gateway import _wait_all_blocks_free as wait_all_blocks_free
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
@@ -55,49 +48,9 @@ print(json.dumps({"prompt_ids": ids, "token_ids": r.token_ids, "text": r.text,
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    run_dir = tmp_path_factory.mktemp("openai-stack")
-    ports = {name: free_port() for name in ("worker", "kvmem", "scheduler", "http", "grpc")}
-    addr = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
-    ref_out, ref_err = run_dir / "reference-out.json", run_dir / "reference.err"
-    with ref_out.open("w") as stdout, ref_err.open("w") as stderr:
-        reference_proc = subprocess.Popen([sys.executable, "-c", _REFERENCE_SCRIPT],
-                                          stdin=subprocess.PIPE, stdout=stdout, stderr=stderr,
-                                          env={**os.environ, **CHILD_ENV},
-                                          text=True)
-        assert reference_proc.stdin is not None
-        reference_proc.stdin.write(PROMPT)
-        reference_proc.stdin.close()
-    cli = [sys.executable, "-m", "superinfer.cli"]
-    common = ["--run-dir", str(run_dir), "--host", "127.0.0.1"]
-    specs = [
-        ServiceSpec("worker", [*cli, "worker", *common, "--port", str(ports["worker"]),
-                               "--device-blocks", "512"], grpc_probe(addr["worker"])),
-        ServiceSpec("kvmem", [*cli, "kvmem", *common, "--port", str(ports["kvmem"]),
-                              "--host-blocks", "256"], grpc_probe(addr["kvmem"])),
-        ServiceSpec("scheduler", [*cli, "scheduler", *common, "--port", str(ports["scheduler"]),
-                                  "--worker-addr", addr["worker"], "--kvmem-addr", addr["kvmem"]],
-                    grpc_probe(addr["scheduler"])),
-        ServiceSpec("gateway", [*cli, "gateway", *common, "--port", str(ports["http"]),
-                                "--grpc-port", str(ports["grpc"]),
-                                "--scheduler-addr", addr["scheduler"]],
-                    http_probe(f"http://{addr['http']}/health")),
-    ]
-    sup = Supervisor(run_dir)
-    try:
-        with _environment(CHILD_ENV):
-            for spec in specs:
-                sup.start(spec, STARTUP_TIMEOUT_S)
-        assert reference_proc.wait(timeout=STARTUP_TIMEOUT_S) == 0, ref_err.read_text()[-3000:]
-        reference = json.loads(ref_out.read_text().strip().splitlines()[-1])
-        with httpx.Client(trust_env=False) as h:
-            model = h.get(f"http://{addr['http']}/v1/models").json()["data"][0]["id"]
-        yield Stack(run_dir, f"http://{addr['http']}", addr["grpc"], addr["scheduler"], model,
-                    reference)
-    finally:
-        if reference_proc.poll() is None:
-            reference_proc.kill()
-            reference_proc.wait()
-        sup.stop_all()
+    with start_stack(tmp_path_factory.mktemp("openai-stack"), _REFERENCE_SCRIPT, PROMPT,
+                     device_blocks=512, host_blocks=256) as s:
+        yield s
 
 
 def _ref(stack: Stack) -> dict[str, Any]:
@@ -331,6 +284,90 @@ def test_guided_extras(stack: Stack) -> None:
     jsonschema.validate(json.loads(gj.choices[0].text), PERSON)
 
 
+# -- function calling ---------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather of a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 30}},
+                   "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris, and the time in Tokyo?"}]
+
+
+def _schema_of(name: str) -> dict[str, Any]:
+    return next(t["function"]["parameters"] for t in (WEATHER, TIME)
+                if t["function"]["name"] == name)
+
+
+def test_named_tool_choice_calls_that_function_with_valid_arguments(stack: Stack) -> None:
+    client = stack.client()
+    kw: dict[str, Any] = {"model": stack.model, "messages": ASK, "max_tokens": 60,
+                          "temperature": 0, "tools": [WEATHER, TIME],
+                          "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    r = client.chat.completions.create(**kw)
+    msg, choice = r.choices[0].message, r.choices[0]
+    assert msg.content is None and choice.finish_reason == "stop"
+    (call,) = msg.tool_calls or []
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), _schema_of("get_weather"))
+    # Streamed: the same call (greedy), sent whole in one delta, then the finish.
+    calls, reasons, content = [], [], ""
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            calls += c.delta.tool_calls or []
+            content += c.delta.content or ""
+            reasons += [c.finish_reason] if c.finish_reason else []
+    assert content == "" and reasons == ["stop"]
+    assert [(c.index, c.function.name, c.function.arguments) for c in calls] == [
+        (0, "get_weather", call.function.arguments)]
+
+
+def test_required_tool_choice_gives_calls_to_given_tools(stack: Stack) -> None:
+    client = stack.client()
+    for parallel in (False, True):
+        r = client.chat.completions.create(
+            model=stack.model, messages=ASK, max_tokens=120, temperature=0.7, seed=3,
+            tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=parallel)
+        choice = r.choices[0]
+        calls = choice.message.tool_calls or []
+        assert choice.finish_reason == "tool_calls", choice
+        assert calls and (parallel or len(calls) == 1)
+        for c in calls:
+            jsonschema.validate(json.loads(c.function.arguments), _schema_of(c.function.name))
+        assert len({c.id for c in calls}) == len(calls)
+
+
+def test_auto_tools_reach_the_prompt_and_a_tool_conversation_renders(stack: Stack) -> None:
+    client = stack.client()
+    base = {"model": stack.model, "max_tokens": 24, "temperature": 0}
+    none = client.chat.completions.create(**base, messages=ASK, tools=[WEATHER],
+                                          tool_choice="none")
+    auto = client.chat.completions.create(**base, messages=ASK, tools=[WEATHER])
+    plain = client.chat.completions.create(**base, messages=ASK)
+    assert none.usage and auto.usage and plain.usage
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens  # "none": tools left out
+    assert auto.usage.prompt_tokens > plain.usage.prompt_tokens + 40  # described to the model
+    assert none.choices[0].message.content == plain.choices[0].message.content
+    m = auto.choices[0].message
+    assert (m.content or m.tool_calls) and auto.choices[0].finish_reason in (
+        "stop", "length", "tool_calls")
+    for c in m.tool_calls or []:
+        assert c.function.name == "get_weather"
+    # A whole round: the assistant's call and the tool's answer, then the model goes on.
+    turn = [*ASK, {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
+    after = client.chat.completions.create(**base, messages=turn, tools=[WEATHER])  # type: ignore[arg-type]
+    assert after.usage and after.usage.prompt_tokens > auto.usage.prompt_tokens
+    assert after.choices[0].message.content or after.choices[0].message.tool_calls
+
+
 # -- bad input ----------------------------------------------------------------------------
 
 C = "/v1/completions"
@@ -365,7 +402,18 @@ BAD: list[tuple[str, str, dict[str, Any], str, str | None]] = [
     (C, "two constraints", {"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]},
      "response_format", None),
     (C, "empty choice", {"prompt": "x", "guided_choice": []}, "guided_choice", "invalid_grammar"),
-    (CHAT, "tools", {"messages": MSG, "tools": [{"type": "function"}]}, "tools", None),
+    (CHAT, "a tool without its function", {"messages": MSG, "tools": [{"type": "function"}]},
+     "tools[0].function", None),
+    (CHAT, "a tool name with a space", {"messages": MSG, "tools": [
+        {"type": "function", "function": {"name": "get weather"}}]}, "tools[0].function.name",
+     None),
+    (CHAT, "tool_choice naming no tool", {"messages": MSG, "tools": [WEATHER], "tool_choice": {
+        "type": "function", "function": {"name": "get_time"}}}, "tool_choice", None),
+    (CHAT, "tool_choice required without tools", {"messages": MSG, "tool_choice": "required"},
+     "tool_choice", None),
+    (CHAT, "a forced tool and a response_format", {"messages": MSG, "tools": [WEATHER],
+     "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
+     None),
 ]
 
 

@@ -17,6 +17,7 @@ Recovery times (kill -> next token to any client) are printed (`pytest -s`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -93,17 +94,16 @@ def _wait_ready(serve: Serve, timeout_s: float) -> None:
     raise TimeoutError(f"serve not ready after {timeout_s} s")
 
 
-@pytest.fixture(scope="module")
-def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
-    run_dir = tmp_path_factory.mktemp("recovery")
+@contextlib.contextmanager
+def serving(run_dir: Path, *extra: str) -> Iterator[Serve]:
+    """`superinfer serve` in its own process on free ports, ready, then SIGTERM."""
     ports = {n: free_port() for n in ("http", "scheduler", "worker", "kvmem")}
     argv = [
         sys.executable, "-m", "superinfer.cli", "serve", "--run-dir", str(run_dir),
         "--port", str(ports["http"]), "--grpc-port", "0",
         "--scheduler-port", str(ports["scheduler"]), "--worker-port", str(ports["worker"]),
         "--kvmem-port", str(ports["kvmem"]), "--device-blocks", str(DEVICE_BLOCKS),
-        "--host-blocks", "256", "--restart-backoff", "0.1", "--shutdown-grace", "2",
-        "--liveness-timeout", str(LIVENESS_TIMEOUT_S),
+        "--host-blocks", "256", "--restart-backoff", "0.1", "--shutdown-grace", "2", *extra,
     ]
     with (run_dir / "serve.out").open("wb") as out, (run_dir / "serve.err").open("wb") as err:
         proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
@@ -112,7 +112,6 @@ def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
               f"127.0.0.1:{ports['scheduler']}")
     try:
         _wait_ready(s, START_TIMEOUT_S)
-        s.note_segment()
         yield s
     finally:
         if proc.poll() is None:
@@ -122,6 +121,14 @@ def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+    with serving(tmp_path_factory.mktemp("recovery"),
+                 "--liveness-timeout", str(LIVENESS_TIMEOUT_S)) as s:
+        s.note_segment()
+        yield s
 
 
 # -- clients ----------------------------------------------------------------------------------

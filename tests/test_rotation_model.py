@@ -14,19 +14,8 @@ from common.config import EngineConfig
 from scheduler_svc.policy import POLICY_NAMES
 from scheduler_svc.request import SamplingParams
 from superinfer.engine import LLMEngine
+from tests.prompts import OPENINGS
 
-PROMPTS = [
-    "The history of the Roman Empire begins",
-    "def quicksort(arr):",
-    "Ten facts about octopuses:",
-    "Dear hiring manager, I am writing to",
-    "The recipe for a classic French omelette is",
-    "In quantum mechanics, the uncertainty principle",
-    "Mountains are formed when",
-    "A short poem about autumn leaves:",
-    "The three laws of thermodynamics are",
-    "To install Python on Linux, first",
-]
 MAX_TOKENS = 24
 
 
@@ -37,7 +26,7 @@ def base() -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def reference(base: LLMEngine) -> list[list[int]]:
-    prompts = [base.encode_prompt(p) for p in PROMPTS]
+    prompts = [base.encode_prompt(p) for p in OPENINGS]
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     return [r.token_ids for r in base.generate(prompts, sp)]
 
@@ -48,7 +37,7 @@ def test_tiny_device_pool_is_lossless(base: LLMEngine, reference: list[list[int]
     # 10 requests need ~30 blocks of 16 tokens; 8 blocks force constant preemption.
     eng = LLMEngine(EngineConfig(device_blocks=8, host_blocks=128, policy=policy,
                                  ttft_slo=0.5, tbt_slo=0.05), reuse=base)
-    prompts = [eng.encode_prompt(p) for p in PROMPTS]
+    prompts = [eng.encode_prompt(p) for p in OPENINGS]
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     got = [r.token_ids for r in eng.generate(prompts, sp)]
     assert got == reference
@@ -65,14 +54,14 @@ def test_tiny_device_pool_is_lossless(base: LLMEngine, reference: list[list[int]
 def test_cli_generate_json_reports_rotation_stats(tmp_path: Path,
                                                   reference: list[list[int]]) -> None:
     f = tmp_path / "prompts.txt"
-    f.write_text("\n".join(PROMPTS) + "\n", encoding="utf-8")
+    f.write_text("\n".join(OPENINGS) + "\n", encoding="utf-8")
     cmd = [sys.executable, "-m", "superinfer.cli", "generate", "--prompts-file", str(f),
            "--device-blocks", "8", "--host-blocks", "128", "--policy", "lvf",
            "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
     lines = [json.loads(line) for line in out.splitlines()]
     assert [ln["token_ids"] for ln in lines[:-1]] == reference
-    assert [ln["prompt"] for ln in lines[:-1]] == PROMPTS
+    assert [ln["prompt"] for ln in lines[:-1]] == OPENINGS
     stats = lines[-1]["stats"]
     for key in ("rotations", "swap_in_blocks", "swap_out_blocks", "eager_blocks", "recomputes",
                 "prefix_cache_hit_tokens"):

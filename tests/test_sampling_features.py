@@ -19,22 +19,11 @@ from common.contracts import Grammar, ScheduledChunk
 from scheduler_svc.fork import child_seed
 from scheduler_svc.request import FinishReason, SamplingParams
 from superinfer.engine import GenerationResult, LLMEngine
+from tests.prompts import OPENINGS
 from worker import logits_processing as lp
 from worker.attention import build_meta
 
-PROMPTS = [
-    "The history of the Roman Empire begins",
-    "def quicksort(arr):",
-    "Ten facts about octopuses:",
-    "Dear hiring manager, I am writing to",
-    "The recipe for a classic French omelette is",
-    "In quantum mechanics, the uncertainty principle",
-    "Mountains are formed when",
-    "A short poem about autumn leaves:",
-    "The three laws of thermodynamics are",
-    "To install Python on Linux, first",
-]
-ECHO_TEXT = " ".join(PROMPTS) + " And so the story ends."
+ECHO_TEXT = " ".join(OPENINGS) + " And so the story ends."
 # fp32 on the same CPU: a chunked or rotated prefill runs other matmul shapes, which move a
 # logprob by ~2e-5 (measured); 1e-4 still catches a wrong position or a skipped token.
 LOGPROB_TOL = 1e-4
@@ -111,9 +100,9 @@ def test_echo_logprobs_equal_under_chunking_rotation_and_recompute(
     }[how]
     eng = LLMEngine(EngineConfig(**cfg), reuse=base)
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    others = [eng.add_request(eng.encode_prompt(p), sp) for p in PROMPTS[:6]]
+    others = [eng.add_request(eng.encode_prompt(p), sp) for p in OPENINGS[:6]]
     echo = eng.add_request(eng.encode_prompt(ECHO_TEXT), ECHO)
-    others += [eng.add_request(eng.encode_prompt(p), sp) for p in PROMPTS[6:]]
+    others += [eng.add_request(eng.encode_prompt(p), sp) for p in OPENINGS[6:]]
     res = eng.run_to_completion([echo, *others])[0]
     if how == "rotated":
         assert res.metrics["rotations"] > 0  # max_tokens=1: it was parked mid-prefill
@@ -205,7 +194,7 @@ def test_200_json_schema_requests_batched_with_free_ones(base: LLMEngine) -> Non
     g = Grammar("json_schema", json.dumps(PERSON))
     chat = [base.encode_prompt(f"Invent person number {i} as JSON with name, age and city.",
                                chat=True) for i in range(200)]
-    free_prompts = [base.encode_prompt(p) for p in PROMPTS]
+    free_prompts = [base.encode_prompt(p) for p in OPENINGS]
     free_sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     alone = [r.token_ids for r in base.generate(free_prompts, free_sp)]
 

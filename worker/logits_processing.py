@@ -20,9 +20,12 @@ Definitions (vLLM's, which OpenAI's API documents in words):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 
 import torch
+
+from common.contracts import ScheduledChunk, TokenLogprob
 
 NEG_INF = float("-inf")
 
@@ -59,6 +62,12 @@ class LogitsParams:
     def empty(self) -> bool:
         return not (len(self.penalty_rows) or len(self.bias_rows) or len(self.mask_rows))
 
+    def to(self, device: torch.device) -> LogitsParams:
+        """The same parameters on `device` (the logits' device: the GPU worker's)."""
+        if device.type == "cpu" or self.empty:
+            return self
+        return LogitsParams(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
 
 def pad_rows(rows: list[list[int]]) -> torch.Tensor:
     """Token id lists as one [len(rows), longest] tensor padded with -1."""
@@ -73,7 +82,7 @@ def pad_rows(rows: list[list[int]]) -> torch.Tensor:
 def token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """ids [R, L] padded with -1 -> counts [R, V] float32 (how often each token occurs)."""
     rows = ids.shape[0]
-    counts = torch.zeros(rows, vocab_size + 1, dtype=torch.float32)
+    counts = torch.zeros(rows, vocab_size + 1, dtype=torch.float32, device=ids.device)
     if ids.numel():
         # Padding goes to the spare column V, dropped below.
         idx = torch.where(ids < 0, torch.full_like(ids, vocab_size), ids)
@@ -111,7 +120,7 @@ def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[G, W] int32 -> [G, V] bool, True = allowed."""
-    bits = torch.arange(32, dtype=torch.int32)
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     allowed = (bitmask[:, :, None] >> bits) & 1  # [G, W, 32]
     return allowed.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
@@ -159,6 +168,43 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> Logpro
         top = torch.topk(lp, min(k, lp.shape[1]), dim=-1)
         top_lp, top_ids = top.values, top.indices
     else:
-        top_lp = torch.empty(lp.shape[0], 0)
-        top_ids = torch.empty(lp.shape[0], 0, dtype=torch.long)
+        top_lp = torch.empty(lp.shape[0], 0, device=lp.device)
+        top_ids = torch.empty(lp.shape[0], 0, dtype=torch.long, device=lp.device)
     return Logprobs(tokens.long(), own, top_ids, top_lp)
+
+
+def _rows(lp: Logprobs, ks: list[int]) -> list[TokenLogprob]:
+    ids, own = lp.token_ids.tolist(), lp.logprobs.tolist()
+    tids, tlps = lp.top_ids.tolist(), lp.top_logprobs.tolist()
+    return [TokenLogprob(ids[i], own[i], tids[i][:k], tlps[i][:k]) for i, k in enumerate(ks)]
+
+
+def sampled_logprobs(raw: torch.Tensor, samplers: Sequence[ScheduledChunk],
+                     tokens: list[int]) -> dict[str, TokenLogprob]:
+    """raw: the sampled rows' logits [S, V] (before processing), tokens: what each chose.
+    The logprobs of the rows that asked for them (chunk.logprobs >= 0), by request id."""
+    want = [i for i, c in enumerate(samplers) if c.logprobs >= 0]
+    if not want:
+        return {}
+    ks = [samplers[i].logprobs for i in want]
+    idx = torch.tensor(want, device=raw.device)
+    chosen = torch.tensor([tokens[i] for i in want], device=raw.device)
+    rows = _rows(token_logprobs(raw.index_select(0, idx), chosen, max(ks)), ks)
+    return {samplers[i].request_id: r for i, r in zip(want, rows, strict=True)}
+
+
+def prompt_logprobs(extra: torch.Tensor, chunks: Sequence[ScheduledChunk]
+                    ) -> dict[str, list[TokenLogprob]]:
+    """Echo: extra holds, in chunk order, one logits row per prompt logprob target of each
+    chunk that has them (the rows the forward pass returns after the sampled ones)."""
+    out: dict[str, list[TokenLogprob]] = {}
+    row = 0
+    for c in chunks:
+        n = len(c.prompt_logprob_targets)
+        if not n:
+            continue
+        k = max(c.logprobs, 0)
+        targets = torch.tensor(c.prompt_logprob_targets, device=extra.device)
+        out[c.request_id] = _rows(token_logprobs(extra[row : row + n], targets, k), [k] * n)
+        row += n
+    return out

@@ -20,9 +20,9 @@ from collections.abc import Iterable
 
 import torch
 
-from common.contracts import ExecuteResult, KVShape, ScheduledChunk, TokenLogprob
+from common.contracts import ExecuteResult, KVShape, ScheduledChunk
 from worker.attention import build_meta
-from worker.logits_processing import process, token_logprobs
+from worker.logits_processing import process, prompt_logprobs, sampled_logprobs
 from worker.model import LlamaModel
 from worker.model_config import ModelConfig
 from worker.sampler import sample_tokens
@@ -79,43 +79,10 @@ class ModelRunner:
         sampled = {c.request_id: t for c, t in zip(samplers, tokens, strict=True)}
         return ExecuteResult(
             sampled=sampled, execute_s=time.perf_counter() - t0,
-            logprobs=_sampled_logprobs(raw, samplers, tokens),
-            prompt_logprobs=_prompt_logprobs(logits[len(samplers):], chunks),
+            logprobs=sampled_logprobs(raw, samplers, tokens),
+            prompt_logprobs=prompt_logprobs(logits[len(samplers):], chunks),
         )
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Finished requests: drop their sampling state."""
         self.sampling.release(request_ids)
-
-
-def _rows(lp_ids: torch.Tensor, lps: torch.Tensor, top_ids: torch.Tensor, top_lps: torch.Tensor,
-          ks: list[int]) -> list[TokenLogprob]:
-    ids, own, tids, tlps = lp_ids.tolist(), lps.tolist(), top_ids.tolist(), top_lps.tolist()
-    return [TokenLogprob(ids[i], own[i], tids[i][:k], tlps[i][:k]) for i, k in enumerate(ks)]
-
-
-def _sampled_logprobs(raw: torch.Tensor, samplers: list[ScheduledChunk],
-                      tokens: list[int]) -> dict[str, TokenLogprob]:
-    want = [i for i, c in enumerate(samplers) if c.logprobs >= 0]
-    if not want:
-        return {}
-    ks = [samplers[i].logprobs for i in want]
-    lp = token_logprobs(raw[want], torch.tensor([tokens[i] for i in want]), max(ks))
-    rows = _rows(lp.token_ids, lp.logprobs, lp.top_ids, lp.top_logprobs, ks)
-    return {samplers[i].request_id: r for i, r in zip(want, rows, strict=True)}
-
-
-def _prompt_logprobs(extra: torch.Tensor, chunks: list[ScheduledChunk]
-                     ) -> dict[str, list[TokenLogprob]]:
-    out: dict[str, list[TokenLogprob]] = {}
-    row = 0
-    for c in chunks:
-        n = len(c.prompt_logprob_targets)
-        if not n:
-            continue
-        k = max(c.logprobs, 0)
-        lp = token_logprobs(extra[row : row + n], torch.tensor(c.prompt_logprob_targets), k)
-        out[c.request_id] = _rows(lp.token_ids, lp.logprobs, lp.top_ids, lp.top_logprobs,
-                                  [k] * n)
-        row += n
-    return out

@@ -102,18 +102,18 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # Nothing may fail between making the pool and recording it (stop() unlinks it).
         # A stop during the load above cancels this coroutine there: no pool is made.
         runner: ModelRunner | CudaModelRunner
+        # Grammars need the tokenizer; it is built the first time one comes (~1 s).
+        sampling = SamplingStates(mcfg.vocab_size, lambda: GrammarBank(
+            Tokenizer.from_source(source), mcfg.vocab_size))
         if built is not None:
             pool = DevicePool.create(shape.shape, dtype, POOL_DEVICE)
-            # Grammars need the tokenizer; it is built the first time one comes (~1 s).
-            sampling = SamplingStates(mcfg.vocab_size, lambda: GrammarBank(
-                Tokenizer.from_source(source), mcfg.vocab_size))
             runner = ModelRunner(built.model, pool.tensor, cfg.block_size, built.weights,
                                  sampling)
         else:
             from worker.cuda.setup import load_cuda  # Triton loads only on this path
 
             runner, pool = await asyncio.to_thread(load_cuda, mcfg, weights, shape.shape,
-                                                   dtype, cfg)
+                                                   dtype, cfg, sampling)
         info = scheduler_pb2.ModelInfo(
             name=source.name,
             max_model_len=mcfg.max_position,
@@ -127,9 +127,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             source_kind=source.kind,
             source_path=str(source.path),
         )
-        # Sampling state (penalties, bias, grammars) lives in the CPU runner only so far.
-        release = runner.release if isinstance(runner, ModelRunner) else None
-        self.loaded = Loaded(runner, pool, info, BatchRunner(runner.execute, release))
+        self.loaded = Loaded(runner, pool, info, BatchRunner(runner.execute, runner.release))
         handle = pool.handle()
         if self.segments is not None and handle.shm_name:
             self.segments.add(handle.shm_name)
@@ -166,7 +164,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             )
         chunks = [chunk_from_proto(c) for c in request.chunks]
         problem = _check_chunks(chunks, w.pool.num_blocks, w.runner.block_size,
-                                w.info.vocab_size, isinstance(w.runner, ModelRunner))
+                                w.info.vocab_size)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         try:
@@ -191,17 +189,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return (await self._ready(context)).info
 
 
-def _check_chunks(
-    chunks: list[ScheduledChunk], num_blocks: int, block_size: int, vocab: int,
-    sampling_extras: bool = True,
-) -> str | None:
-    """A malformed batch must come back as an error, not crash the forward pass; so must
-    a chunk asking for what this runner cannot do (`sampling_extras`: logprobs, penalties,
-    logit bias, grammars; the CUDA runner has none of them yet), rather than be ignored."""
+def _check_chunks(chunks: list[ScheduledChunk], num_blocks: int, block_size: int,
+                  vocab: int) -> str | None:
+    """A malformed batch must come back as an error, not crash the forward pass."""
     for c in chunks:
-        if not sampling_extras and (c.stateful or c.logprobs >= 0 or c.prompt_logprob_targets):
-            return (f"{c.request_id}: logprobs, penalties, logit_bias and structured outputs "
-                    "run on the CPU worker only so far")
         end = c.start_pos + len(c.token_ids)
         if not c.token_ids or c.start_pos < 0:
             return f"{c.request_id}: empty chunk or negative start position"

@@ -30,7 +30,7 @@ class HostBatch:
     q_len: np.ndarray  # [S]
     ctx_start: np.ndarray  # [S] position of the sequence's first query (cached prefix length)
     block_tables: np.ndarray  # [S, W], 0-padded
-    logits_index: np.ndarray  # [N] rows whose next token is sampled
+    logits_index: np.ndarray  # [N] rows whose next token is sampled, then echo's rows
     max_q_len: int
 
     @property
@@ -86,6 +86,10 @@ def build_batch(chunks: Sequence[ScheduledChunk], block_size: int,
         t += k
         if c.sample:
             logits.append(t - 1)
+    # Echo, as the CPU executor's batch (worker/attention.py): after the sampled rows,
+    # every row whose prompt logprob is asked for, in chunk order.
+    for i, c in enumerate(chunks):
+        logits += range(int(q_start[i]), int(q_start[i]) + len(c.prompt_logprob_targets))
     return HostBatch(ids, pos, slots, q_start, np.asarray(n, np.int32),
                      np.asarray([c.start_pos for c in chunks], np.int32), tables,
                      np.asarray(logits, np.int32), max(n, default=0))

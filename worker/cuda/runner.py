@@ -3,8 +3,10 @@
 Stateless about requests like the CPU runner (DESIGN §6): every chunk carries its tokens,
 positions and block table. A batch of decodes that fits a captured bucket replays its CUDA
 graph; anything else (prefill chunks, mixed batches, more rows than the largest bucket)
-runs the same forward eagerly. Sampling happens on the device (worker/cuda/sampler.py);
-the only device->host copy of a step is the sampled token ids.
+runs the same forward eagerly. Sampling happens on the device (worker/cuda/sampler.py)
+after the CPU runner's logits processing (penalties, logit bias, grammar masks:
+worker/logits_processing.py, its parameters moved to the device); the device->host copies
+of a step are the sampled token ids and, where asked for, the logprobs.
 
 On CPU tensors (the tests) the eager path runs with the kernels under Triton's
 interpreter; graphs and the GPU itself are UNTESTED here.
@@ -13,6 +15,7 @@ interpreter; graphs and the GPU itself are UNTESTED here.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -21,13 +24,17 @@ from worker.cuda.batch import DeviceBatch, HostBatch, build_batch
 from worker.cuda.graphs import GraphPlan
 from worker.cuda.model import CudaLlama
 from worker.cuda.sampler import sample_tokens
+from worker.logits_processing import process, prompt_logprobs, sampled_logprobs
 from worker.model_config import ModelConfig
+from worker.sampling_state import SamplingStates
 
 
 class CudaModelRunner:
     def __init__(self, model: CudaLlama, kv_pool: torch.Tensor, block_size: int,
                  max_batch: int = 256, max_model_len: int | None = None,
-                 graphs: bool = True, buckets: tuple[int, ...] | None = None) -> None:
+                 graphs: bool = True, buckets: tuple[int, ...] | None = None,
+                 sampling: SamplingStates | None = None) -> None:
+        """`sampling`: the per-request sampling state (None: one without grammars)."""
         cfg = model.cfg
         want = (cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
         if tuple(kv_pool.shape[1:]) != want or kv_pool.dtype != model.dtype:
@@ -38,6 +45,7 @@ class CudaModelRunner:
         self.model = model
         self.kv = kv_pool
         self.block_size = block_size
+        self.sampling = sampling if sampling is not None else SamplingStates(cfg.vocab_size)
         self.max_model_len = min(max_model_len or cfg.max_position, cfg.max_position)
         kw = {"buckets": buckets} if buckets else {}
         self.plan = GraphPlan.make(max_batch, self.max_model_len, block_size, **kw)
@@ -54,7 +62,8 @@ class CudaModelRunner:
         return self.model.cfg
 
     def logits(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """fp32 logits [n, V], one row per chunk with sample=True, in chunk order."""
+        """fp32 logits [n, V]: one row per chunk with sample=True, in chunk order, then
+        the rows whose prompt logprobs are asked for (echo)."""
         b = build_batch(chunks, self.block_size)
         if b.num_tokens and int(b.positions.max()) >= self.max_model_len:
             raise ValueError(f"position {int(b.positions.max())} is past the model's context "
@@ -73,8 +82,21 @@ class CudaModelRunner:
         t0 = time.perf_counter()
         if not chunks:
             return ExecuteResult(sampled={}, execute_s=0.0)
-        logits = self.logits(chunks)
         samplers = [c for c in chunks if c.sample]
-        tokens = sample_tokens(logits, samplers) if samplers else []
+        # Before the forward pass, as on the CPU: a state that cannot be brought up to date
+        # fails the batch before it writes any KV.
+        params = self.sampling.params(samplers)
+        logits = self.logits(chunks)
+        raw = logits[: len(samplers)]
+        x = process(raw, params.to(raw.device))
+        tokens = sample_tokens(x, samplers) if samplers else []
         sampled = {c.request_id: t for c, t in zip(samplers, tokens, strict=True)}
-        return ExecuteResult(sampled=sampled, execute_s=time.perf_counter() - t0)
+        return ExecuteResult(
+            sampled=sampled, execute_s=time.perf_counter() - t0,
+            logprobs=sampled_logprobs(raw, samplers, tokens),
+            prompt_logprobs=prompt_logprobs(logits[len(samplers):], chunks),
+        )
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Finished requests: drop their sampling state."""
+        self.sampling.release(request_ids)

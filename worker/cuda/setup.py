@@ -17,20 +17,21 @@ from worker.cuda.model import CudaLlama
 from worker.cuda.runner import CudaModelRunner
 from worker.kv_pool import DevicePool
 from worker.model_config import ModelConfig
+from worker.sampling_state import SamplingStates
 
 log = structlog.get_logger()
 MAX_GRAPH_BATCH = 256  # decode batches up to this many sequences replay a CUDA graph
 
 
 def load_cuda(mcfg: ModelConfig, weights: dict[str, torch.Tensor], shape: tuple[int, ...],
-              dtype: torch.dtype, config: EngineConfig
+              dtype: torch.dtype, config: EngineConfig, sampling: SamplingStates
               ) -> tuple[CudaModelRunner, DevicePool]:  # pragma: no cover - needs CUDA
     device = torch.device("cuda", torch.cuda.current_device())
     model = CudaLlama(mcfg, weights, device, dtype)  # weights first: the pool gets the rest
     pool = cuda_device_pool(shape, dtype, device)
     runner = CudaModelRunner(model, pool.tensor, config.block_size,
                              max_batch=min(config.max_num_seqs, MAX_GRAPH_BATCH),
-                             max_model_len=config.max_model_len)
+                             max_model_len=config.max_model_len, sampling=sampling)
     log.info("cuda_executor", gpu=torch.cuda.get_device_name(device), dtype=str(dtype),
              weights_gib=round(model.weight_bytes / 2**30, 2),
              graph_buckets=list(runner.plan.buckets) if runner.graphs else [])
