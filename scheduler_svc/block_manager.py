@@ -610,10 +610,13 @@ class BlockManager:
         t = self._tables.get(req.request_id)
         if t is None:
             return [], []
+        n, host = min(self.blocks_for(req.num_computed_tokens), len(t)), t.host
+        if not self.prefix_caching:  # no named host copies to link
+            return [i for i in range(n) if host[i] is None], []
         copy: list[int] = []
         link: list[int] = []
-        for i in range(min(self.blocks_for(req.num_computed_tokens), len(t))):
-            if t.host[i] is None:
+        for i in range(n):
+            if host[i] is None:
                 (copy if self._host_copy_of(req, i) is None else link).append(i)
         return copy, link
 

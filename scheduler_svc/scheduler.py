@@ -16,6 +16,7 @@ iteration whose output will never come (a peer failed).
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -124,8 +125,10 @@ class _Plan:
     displaced: set[str] = field(default_factory=set)  # preempted this iteration
     reserve: int = 0  # free device blocks admission leaves for running requests to grow
     # Per victim, for this iteration's admission walk (it asks about the same victims for
-    # candidate after candidate): (blocks a rotate-out copies, device blocks it holds).
-    victim_blocks: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # candidate after candidate): (blocks a rotate-out copies, device blocks preempting it
+    # releases, how many of those the copy keeps busy, whether those two stay valid).
+    victim_blocks: dict[str, tuple[int, int, int, bool]] = field(default_factory=dict)
+    victim_head: int = 0  # victims before this index are off the device already
 
 
 class Scheduler:
@@ -267,7 +270,9 @@ class Scheduler:
         if target is None:
             return cfg.max_batched_tokens
         running = self.running
-        context = sum(r.num_tokens for r in running)
+        # sum(num_tokens), the property inlined: this runs every iteration over the batch.
+        context = sum(len(r.prompt_token_ids) + len(r.output_token_ids) + r.num_placeholders
+                      for r in running)
         if cost.seconds(1, 1, 1) > target / 2:
             # The executor's fixed cost per batch alone takes half the target: fewer requests
             # per batch would cost throughput and win no gap (measured on the CPU stack).
@@ -308,8 +313,7 @@ class Scheduler:
             self.stats.swap_out_blocks += len(transfers.swap_out)
             self.stats.swap_in_blocks += len(transfers.swap_in) + len(transfers.late_swap_in)
 
-        chunks, decode = self._chunks(plan)
-        epochs = self._advance(chunks)
+        chunks, decode, epochs = self._chunks(plan)
         decision = time.perf_counter() - t0
         self.stats.iterations += 1
         self.stats.decision_s_total += decision
@@ -334,46 +338,41 @@ class Scheduler:
             self.bm.begin_execute(out.iteration)
         return out
 
-    def _advance(self, chunks: list[ScheduledChunk]) -> dict[str, int]:
-        """The batch counts as computed (in flight) from now on; a sampling chunk adds its
-        placeholder token. Returns each request's kv_epoch, to settle the chunk against."""
-        requests, bs, epochs = self.requests, self.config.block_size, {}
-        for c in chunks:
-            req = requests[c.request_id]
-            n = len(c.token_ids)
-            req.num_computed_tokens += n
-            req.num_inflight_tokens += n
-            epochs[c.request_id] = req.kv_epoch
-            if c.sample:
-                req.num_placeholders += 1
-                if req.num_tokens % bs == 0:
-                    self._blocks_needed += 1  # the next token starts a new block
-        return epochs
-
     def _schedule_running(self, order: list[Request], plan: _Plan) -> None:
         """Give running requests their tokens; preempt from the tail when blocks run out."""
-        bm, running, tokens = self.bm, RequestState.RUNNING, plan.tokens
-        # Per running request per iteration: kept lean (it dominates the decision's cost).
+        try_grow, running, tokens = self.bm.try_grow, RequestState.RUNNING, plan.tokens
+        # Per running request per iteration: kept lean (it dominates the decision's cost):
+        # num_tokens inlined, the budget in a local (preemption changes plan.budget).
+        budget = plan.budget
         for i, req in enumerate(order):
             if req.state is not running:
                 continue  # preempted earlier in this loop
-            if req.num_placeholders and req.finishes_when_outputs_land:
+            placeholders = req.num_placeholders
+            if placeholders and req.finishes_when_outputs_land:
                 continue  # its last token is being sampled; nothing left to compute
-            n = min(req.num_tokens - req.num_computed_tokens, plan.budget)
+            n = (len(req.prompt_token_ids) + len(req.output_token_ids) + placeholders
+                 - req.num_computed_tokens)
+            if n > budget:
+                n = budget
             if n <= 0:
-                if plan.budget <= 0:
+                if budget <= 0:
                     break
                 continue
-            while not bm.try_grow(req, n):
-                victim = next((v for v in reversed(order[i + 1 :]) if v.state is running), None)
-                if victim is None:
-                    self._preempt(req, plan)
-                    break
-                self._preempt(victim, plan)
-            if req.state is not running:
-                continue
+            if not try_grow(req, n):
+                plan.budget = budget
+                while not try_grow(req, n):
+                    victim = next((v for v in reversed(order[i + 1 :]) if v.state is running),
+                                  None)
+                    if victim is None:
+                        self._preempt(req, plan)
+                        break
+                    self._preempt(victim, plan)
+                budget = plan.budget
+                if req.state is not running:
+                    continue
             tokens[req.request_id] = n
-            plan.budget -= n
+            budget -= n
+        plan.budget = budget
 
     def _admit(self, order: list[Request], plan: _Plan, fcfs_mode: bool) -> None:
         """Bring waiting and rotary requests in, most deserving first (LVF steps 2–3)."""
@@ -386,11 +385,12 @@ class Scheduler:
         else:
             runs = policy.candidate_runs(self.waiting.groups() + self.rotary.groups(), plan.now)
             queue = _merge(runs, policy.merge_key, plan.now)
-        victims = [
-            r
-            for r in reversed(order)
-            if r.state is RequestState.RUNNING
-            and self.iteration - r.admitted_iteration > limits.min_residency
+        # Preemption victims, lowest first: past their minimum residency (FCFS-like
+        # iterations preempt nobody for a candidate).
+        it, residency, running = self.iteration, limits.min_residency, RequestState.RUNNING
+        victims = [] if fcfs_mode else [
+            r for r in reversed(order)
+            if r.state is running and it - r.admitted_iteration > residency
         ]
         cap = limits.xfer_budget_blocks
         bs = self.config.block_size
@@ -404,7 +404,9 @@ class Scheduler:
                 # Fast skip: once nobody may be preempted, walking on only looks for a
                 # candidate that fits the free blocks (often ~100 candidates deep).
                 c = q.num_computed_tokens
-                need = -(-(c + min(q.num_tokens - c, plan.budget)) // bs)
+                left = (len(q.prompt_token_ids) + len(q.output_token_ids) + q.num_placeholders
+                        - c)  # num_tokens - c, inlined
+                need = -(-(c + min(left, plan.budget)) // bs)
                 if need > (room_rotary if q.state is RequestState.ROTARY else room_waiting):
                     continue
             if plan.budget <= 0:
@@ -499,8 +501,8 @@ class Scheduler:
     def _may_preempt_for(self, q: Request, victims: list[Request], plan: _Plan) -> bool:
         """May the first eligible victim be preempted for `q`? When not, no later victim
         may be (they come lowest first), nor for any later candidate (lagging less)."""
-        v = next((v for v in victims if v.state is RequestState.RUNNING), None)
-        return v is not None and self.policy.may_preempt(v, q, plan.now)
+        head = _first_running(victims, plan)
+        return head < len(victims) and self.policy.may_preempt(victims[head], q, plan.now)
 
     def _free_below_least(self, plan: _Plan) -> bool:
         """Are the free blocks fewer than the smallest candidate needs? Then walking the
@@ -534,28 +536,34 @@ class Scheduler:
         serve anyone only costs transfers.
         """
         bm, policy = self.bm, self.policy
+        caching = bm.prefix_caching
         cap = policy.limits.xfer_budget_blocks
         room, moved = self._room(rotary, plan.reserve), plan.xfer_used + cost
         chosen: list[Request] = []
-        for v in victims:
+        for v in itertools.islice(victims, _first_running(victims, plan), None):
             if need <= room and (chosen or not need_seat):
                 break
             if v.state is not RequestState.RUNNING:
                 continue
             if not policy.may_preempt(v, q, plan.now):
                 break  # victims come lowest first: later ones may not be preempted either
-            swaps = policy.swaps_out(v)
             blocks = plan.victim_blocks.get(v.request_id)
             if blocks is None:
-                blocks = plan.victim_blocks[v.request_id] = (
-                    bm.swap_out_cost(v) if swaps else 0, bm.num_device_blocks_of(v))
-            out_cost, held = blocks
+                swaps = policy.swaps_out(v)
+                out_cost = bm.swap_out_cost(v) if swaps else 0
+                held, busy = bm.released_by_preempting(v, swaps)
+                # Without prefix caching no reference is added during admission, so a
+                # victim that shares no block now releases the same blocks all iteration.
+                stable = not caching and held == bm.num_device_blocks_of(v)
+                blocks = plan.victim_blocks[v.request_id] = (out_cost, held, busy, stable)
+            out_cost, held, busy, stable = blocks
             if cap is not None and moved and moved + out_cost > cap:
                 continue
             # Blocks a rotate-out copies stay busy until the copy ran: never usable by a
             # swap-in this iteration, and by compute only in a serial step (see the top of
             # block_manager.py). Blocks another request shares are not released at all.
-            held, busy = bm.released_by_preempting(v, swaps)
+            if not stable:  # a co-owner may have let go of shared blocks since
+                held, busy = bm.released_by_preempting(v, policy.swaps_out(v))
             room += held - busy if rotary or not bm.same_iteration_reuse else held
             moved += out_cost
             chosen.append(v)
@@ -587,15 +595,24 @@ class Scheduler:
             self.waiting.append(victim)
             plan.recomputed.append(victim.request_id)
 
-    def _chunks(self, plan: _Plan) -> tuple[list[ScheduledChunk], int]:
-        """The batch for the worker, and how many of its tokens are decode steps."""
-        chunks, decode = [], 0
-        requests, table = self.requests, self.bm.device_table
-        for rid, n in plan.tokens.items():
+    def _chunks(self, plan: _Plan) -> tuple[list[ScheduledChunk], int, dict[str, int]]:
+        """The batch for the worker, and how many of its tokens are decode steps.
+
+        The batch counts as computed (in flight) from now on: each request's chunk is
+        advanced as it is built, and a sampling chunk adds its placeholder token. Also
+        returns each request's kv_epoch, to settle its chunk against."""
+        chunks: list[ScheduledChunk] = []
+        decode = 0
+        epochs: dict[str, int] = {}
+        requests, table, new_chunk = self.requests, self.bm.device_table, ScheduledChunk
+        add, bs = chunks.append, self.config.block_size
+        for rid, n in plan.tokens.items():  # one per request in the batch: kept lean
             req = requests[rid]
-            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            start = req.num_computed_tokens
+            end = start + n
             prompt, output = req.prompt_token_ids, req.output_token_ids
-            p, known = len(prompt), len(prompt) + len(output)
+            p = len(prompt)
+            known = p + len(output)
             if start >= p:
                 ids = output[start - p : end - p]
             else:
@@ -604,19 +621,28 @@ class Scheduler:
                 if end > known + 1:
                     raise RuntimeError(f"{rid}: planned past its one token in flight")
                 ids.append(PLACEHOLDER)
-            sample = end == req.num_tokens
+            placeholders = req.num_placeholders
+            sample = end == known + placeholders  # the request's num_tokens
             # A decode step computes the one token sampled last iteration; anything else
             # (prompt chunks, recompute after preemption) counts as prefill.
             if n == 1 and sample and start >= p:
                 decode += 1
             s = req.sampling
             # The live table (see ScheduledChunk); a running request holds every block.
-            chunk = ScheduledChunk(rid, ids, start, table(rid), sample, s.temperature,
-                                   s.top_p, s.top_k, s.seed, len(output) + req.num_placeholders)
+            chunk = new_chunk(rid, ids, start, table(rid), sample, s.temperature,
+                              s.top_p, s.top_k, s.seed, len(output) + placeholders)
             if s.logprobs is not None or s.prompt_logprobs or s.stateful:
                 self._sampling_fields(req, chunk, end)
-            chunks.append(chunk)
-        return chunks, decode
+            add(chunk)
+            # In flight from now on (len(ids) == n).
+            req.num_computed_tokens = end
+            req.num_inflight_tokens += n
+            epochs[rid] = req.kv_epoch
+            if sample:
+                req.num_placeholders = placeholders = placeholders + 1
+                if (known + placeholders) % bs == 0:
+                    self._blocks_needed += 1  # the next token starts a new block
+        return chunks, decode, epochs
 
     @staticmethod
     def _sampling_fields(req: Request, c: ScheduledChunk, end: int) -> None:
@@ -860,14 +886,84 @@ class Scheduler:
         rec.recompute.append(req.request_id)
 
 
+def _first_running(victims: list[Request], plan: _Plan) -> int:
+    """Index of the first victim still running: those before it were preempted this
+    iteration (victims go lowest first, so the walks need not step over them again)."""
+    head, running = plan.victim_head, RequestState.RUNNING
+    while head < len(victims) and victims[head].state is not running:
+        head += 1
+    plan.victim_head = head
+    return head
+
+
 def _merge(
     runs: list[list[Entry]], key: Callable[[Request, float], tuple[object, ...]], now: float
 ) -> Iterator[Request]:
-    """The requests of sorted runs in `key` order, computing keys only for those consumed."""
+    """The requests of sorted runs in `key` order, computing keys only for those consumed.
+
+    heapq.merge's order (equal keys: the earlier run first), without its per-item wrappers:
+    the admission walk may consume a few hundred candidates per iteration."""
     if len(runs) == 1:  # one group (one SLO class, or a static policy): already in order
         return (e[2] for e in runs[0])
-    merged = heapq.merge(*runs, key=lambda e: key(e[2], now))
-    return (e[2] for e in merged)
+    return _merge_runs(runs, key, now)
+
+
+def _merge_runs(
+    runs: list[list[Entry]], key: Callable[[Request, float], tuple[object, ...]], now: float
+) -> Iterator[Request]:
+    # A heap of (head's key, run index): the run index breaks ties as in heapq.merge. The
+    # top run's entries that still come before the next run's head are yielded without
+    # heap operations, and long stretches are found by galloping (keys at +1, +2, +4, ...
+    # then a binary search), so a run that leads for many candidates costs O(log) keys.
+    # Keys are pure functions of a queued request and `now`, so which ones are computed
+    # does not change the order.
+    heap = [(key(run[0][2], now), i) for i, run in enumerate(runs) if run]
+    heapq.heapify(heap)
+    pos = [0] * len(runs)
+    while len(heap) > 1:
+        i = heap[0][1]
+        nxt = heap[1] if len(heap) == 2 or heap[1] < heap[2] else heap[2]
+        run, j = runs[i], pos[i]
+        n = len(run)
+        yield run[j][2]
+        j += 1
+        if j == n:
+            heapq.heappop(heap)
+            continue
+        head = (key(run[j][2], now), i)
+        if head < nxt:  # run i leads on: find where its lead ends
+            lo, step = j, 1  # run[lo] comes before nxt
+            hi = n  # the first entry that does not (or the end), and its key:
+            stop: tuple[tuple[object, ...], int] | None = None
+            while True:
+                probe = j + step
+                if probe >= n:
+                    break
+                k = (key(run[probe][2], now), i)
+                if not k < nxt:
+                    hi, stop = probe, k
+                    break
+                lo, step = probe, step * 2
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                k = (key(run[mid][2], now), i)
+                if k < nxt:
+                    lo = mid
+                else:
+                    hi, stop = mid, k
+            for e in run[j:hi]:
+                yield e[2]
+            j = hi
+            if stop is None:  # run i is done
+                heapq.heappop(heap)
+                continue
+            head = stop
+        pos[i] = j
+        heapq.heapreplace(heap, head)
+    if heap:  # one run left: the rest of it in order, no keys needed
+        i = heap[0][1]
+        for e in runs[i][pos[i]:]:
+            yield e[2]
 
 
 @dataclass(slots=True)

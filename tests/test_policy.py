@@ -350,3 +350,59 @@ def test_queue_tracks_its_smallest_request() -> None:
     for r in (rs[0], rs[2]):
         q.remove(r)
     assert q.min_tokens() is None
+
+
+@pytest.mark.parametrize("params", [P, VLTParams(), VLTParams(alpha=0.7, beta_b=0.3, beta_f=0.2)])
+def test_lvf_merge_key_is_the_vlt_definitions(params: VLTParams) -> None:
+    """LVF's merge key computes is_late, lag_anchor and vlt in one pass (the admission walk
+    asks it of hundreds of candidates per iteration): bit for bit the definitions'."""
+    import random
+
+    from scheduler_svc.policy.vlt import lag_anchor
+
+    def definition(r: Request, now: float) -> tuple[float, ...]:
+        if is_late(r, now):
+            return (1.0, lag_anchor(r, params), r.arrival_time)
+        return (0.0, -vlt(r, now, params), r.arrival_time)
+
+    rng = random.Random(3)
+    lvf = make_policy("lvf", params)
+    seen = set()
+    for i in range(2000):
+        now = rng.uniform(0.0, 100.0)
+        slo = SLO(rng.choice([1.0, 5.0, 20.0]), rng.choice([0.05, 0.1, 0.5]))
+        state = rng.choice([RequestState.WAITING, RequestState.ROTARY, RequestState.RUNNING])
+        started = rng.random() < 0.6
+        r = req(f"k{i}", rng.uniform(0.0, now), state, slo=slo,
+                last_token=rng.uniform(0.0, now) if started else None,
+                run_start=rng.uniform(0.0, now) if state is RequestState.RUNNING else None)
+        if started:
+            r.output_token_ids = [1] * rng.randint(1, 300)
+            r.num_placeholders = rng.randint(0, 1)
+        key = lvf.merge_key(r, now)
+        assert key == definition(r, now)
+        seen.add((state, started, key[0]))
+    assert len(seen) == 12  # every state, started or not, late and on time
+
+
+def test_scheduler_merge_is_heapq_merge() -> None:
+    """The scheduler's lazy merge (galloping through a run's lead) yields heapq.merge's
+    order: by key, equal keys from the earlier run first."""
+    import heapq
+    import random
+
+    from scheduler_svc.scheduler import _merge
+
+    rng = random.Random(11)
+    for trial in range(200):
+        runs = []
+        for j in range(rng.randint(1, 5)):
+            top = rng.choice([3, 8, 40, 400])  # few distinct keys (long leads, ties) or many
+            keys = sorted(rng.randint(0, top) for _ in range(rng.randint(0, 60)))
+            runs.append([((k,), n, req(f"m{trial}-{j}-{n}", float(k))) for n, k in enumerate(keys)])
+
+        def key(r: Request, now: float) -> tuple[float, ...]:
+            return (r.arrival_time,)
+
+        want = [e[2] for e in heapq.merge(*runs, key=lambda e: key(e[2], 0.0))]
+        assert list(_merge(runs, key, 0.0)) == want

@@ -50,9 +50,25 @@ class LVFPolicy(Policy):
         return ("tbt", req.slo.tbt_s), (lag_anchor(req, self.params), req.arrival_time)
 
     def merge_key(self, req: Request, now: float) -> tuple[float, ...]:
-        if is_late(req, now):
-            return (1.0, lag_anchor(req, self.params), req.arrival_time)
-        return (0.0, -vlt(req, now, self.params), req.arrival_time)
+        # is_late, lag_anchor and vlt of a candidate in one pass, the same arithmetic in
+        # the same order (the admission walk asks it of hundreds of candidates per
+        # iteration); tests/test_rotasched.py checks it against the definitions.
+        if req.state is RequestState.RUNNING:  # not a candidate: the definitions' way
+            if is_late(req, now):
+                return (1.0, lag_anchor(req, self.params), req.arrival_time)
+            return (0.0, -vlt(req, now, self.params), req.arrival_time)
+        p, slo, first = self.params, req.slo, req.first_token_time
+        if first is None:
+            arrival = req.arrival_time
+            if now > arrival + slo.ttft_s:  # late
+                return (1.0, arrival + (1.0 - p.beta_b) * slo.ttft_s, arrival)
+            return (0.0, -((now - arrival) / slo.ttft_s - (1.0 - p.beta_b)), arrival)
+        k = len(req.output_token_ids) + req.num_placeholders  # vlt.tokens_out
+        anchor = first + (1.0 - p.beta_f) * k * slo.tbt_s
+        if now > first + k * slo.tbt_s:  # late
+            return (1.0, anchor, req.arrival_time)
+        lag = (now - anchor) / slo.ttft_s
+        return (0.0, -(p.alpha * lag if lag >= 0.0 else lag / p.alpha), req.arrival_time)
 
     def candidate_runs(self, runs: list[list[Entry]], now: float) -> list[list[Entry]]:
         # Each group is sorted by lag anchor; its late requests become a run of their own.

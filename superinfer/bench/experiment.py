@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shlex
@@ -78,6 +79,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve-args", default="",
                    help="more flags for `superinfer serve`, e.g. '--min-residency 8'")
     p.add_argument("--trace", action="store_true", help="write each policy's iteration trace")
+    p.add_argument("--interleave", action="store_true",
+                   help="rates outside, policies inside (a fresh stack per pass, the policy "
+                        "order reversed at every other rate), so that every policy's pass at "
+                        "a rate runs close in time to the others' on a machine whose load "
+                        "drifts; writes <policy>@<rate>.json per pass (with --trace, the "
+                        "last pass's trace per policy)")
     p.add_argument("--out", default="docs/results/experiment", help="output directory")
     p.add_argument("--startup-timeout", type=float, default=300.0)
 
@@ -250,15 +257,22 @@ def run(args: argparse.Namespace) -> int:
         args.rates = "0.4,1.0,1.6,2.4"
     rows: list[dict[str, Any]] = []
     t_start = time.monotonic()
-    for policy in args.policies.split(","):
+    policies = args.policies.split(",")
+    if args.interleave:
+        passes = [(p, r) for i, r in enumerate(args.rates.split(","))
+                  for p in (policies if i % 2 == 0 else policies[::-1])]
+    else:
+        passes = [(p, args.rates) for p in policies]
+    for policy, rates in passes:
         run_dir = out / f".run-{policy}"
-        print(f"== {policy}: starting the stack", flush=True)
+        print(f"== {policy}: starting the stack" + (f" (rate {rates})" if args.interleave else ""),
+              flush=True)
         stack = Stack(policy, args, run_dir)
         try:
-            path = out / f"{policy}.json"
+            path = out / (f"{policy}@{rates}.json" if args.interleave else f"{policy}.json")
             bench = [
                 sys.executable, "-m", "superinfer.cli", "bench", "serve",
-                "--base-url", stack.base_url, "--label", policy, "--sweep-rps", args.rates,
+                "--base-url", stack.base_url, "--label", policy, "--sweep-rps", rates,
                 *(["--num-prompts", str(args.num_prompts)] if args.num_prompts
                   else ["--duration", str(args.duration)]),
                 *(["--slo-classes", args.slo_classes] if args.slo_classes else []),
@@ -269,23 +283,30 @@ def run(args: argparse.Namespace) -> int:
                 "--ttft-slo", str(args.ttft_slo), "--tbt-slo", str(args.tbt_slo),
                 "--json", str(path), "--no-progress",
             ]
+            load, began = os.getloadavg(), time.strftime("%H:%M:%S", time.gmtime())
             rc = subprocess.call(bench)
             if rc != 0 or not path.exists():
                 print(f"bench serve for {policy} failed with code {rc}", file=sys.stderr)
                 return 1
-            rows += json.loads(path.read_text())["results"]
+            for r in json.loads(path.read_text())["results"]:
+                # What the machine was doing: the 1/5/15-min load average as the pass began.
+                rows.append({**r, "pass_started_utc": began, "load_average_at_pass": load})
         finally:
             stack.stop()
-    verdict = claim(rows)
-    pareto = pareto_claim(rows, args.saturation)
+    # Per policy by rate (an infinite rate, every request at t = 0, has rps None: last).
+    rows.sort(key=lambda r: (policies.index(r["policy"]),
+                             math.inf if r["rps"] is None else r["rps"]))
+    rated = [r for r in rows if r["rps"] is not None]  # the claims and the plot need rates
+    verdict = claim(rated)
+    pareto = pareto_claim(rated, args.saturation)
     summary = {"command": command, "config": vars(args), "machine": facts,
                "wall_s": round(time.monotonic() - t_start, 1), "results": rows,
                "claim": verdict, "claim_issue18": pareto}
     (out / "results.json").write_text(json.dumps(summary, indent=1, default=str))
     (out / "command.txt").write_text(command + "\n")
     text = table(KEYS, [[_cell(r.get(k)) for k in KEYS] for r in rows])
-    misses = [f"{r['policy']} @ {r['rps']:g}: {line}" for r in rows
-              for line in format_misses(r)]
+    misses = [f"{r['policy']} @ {'inf' if r['rps'] is None else format(r['rps'], 'g')}: {line}"
+              for r in rows for line in format_misses(r)]
     md = [f"# Experiment: rotation policies on the real stack ({facts['date_utc']} UTC)", "",
           f"`{command}`", "",
           f"Machine: {facts['cpu']}, {facts['cores']} cores, {facts['memory_gib']} GiB; "
@@ -299,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
     (out / "table.md").write_text("\n".join(md))
     from superinfer.sim.plots import rate_plot as plot
 
-    plot(rows, str(out / "attainment.png"),
+    plot(rated, str(out / "attainment.png"),
          f"real stack, bundled model, {args.device_blocks}-block device pool; SLOs "
          f"TTFT {args.ttft_slo} s / TBT {args.tbt_slo} s")
     print(text)
