@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue #16 step 5: bench experiment, LVF, pipeline on vs --no-pipeline, two rates, alternated.
 set -euo pipefail
-cd /work/main
+cd "$(dirname "$0")/../../../.."  # the repository root
 for spec in "on 2.4" "off 2.4" "off 3.6" "on 3.6"; do
   set -- $spec
   extra=""; [ "$1" = off ] && extra="--no-pipeline"
