@@ -81,7 +81,8 @@ class ToolMode:
         call = {"anyOf": [{"type": "object",
                            "properties": {"name": {"type": "string", "enum": [f.name]},
                                           "parameters": f.parameters},
-                           "required": ["name", "parameters"]} for f in self.functions]}
+                           "required": ["name", "parameters"],
+                           "additionalProperties": False} for f in self.functions]}
         out: dict[str, Any] = {"type": "array", "minItems": 1, "items": call}
         if not self.parallel:
             out["maxItems"] = 1

@@ -38,7 +38,8 @@ def test_required_schema_admits_only_calls_to_the_tools() -> None:
     jsonschema.validate([{"name": "get_weather", "parameters": {"city": "Oslo"}}], schema)
     for bad in ([], [{"name": "get_weather", "parameters": {}}],
                 [{"name": "rm_rf", "parameters": {}}],
-                [{"name": "get_time", "parameters": {}}] * 2):  # one call: not parallel
+                [{"name": "get_time", "parameters": {}}] * 2,  # one call: not parallel
+                [{"name": "get_time", "parameters": {}, "description": "more"}]):  # nothing else
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     assert tool_mode([WEATHER], {"type": "function", "function": {"name": "get_weather"}},
