@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from common.contracts import ScheduledChunk, TokenLogprob
+from common.contracts import ExecuteResult, ScheduledChunk, TokenLogprob
 
 NEG_INF = float("-inf")
 
@@ -208,3 +208,17 @@ def prompt_logprobs(extra: torch.Tensor, chunks: Sequence[ScheduledChunk]
         out[c.request_id] = _rows(token_logprobs(extra[row : row + n], targets, k), [k] * n)
         row += n
     return out
+
+
+def batch_result(logits: torch.Tensor, chunks: Sequence[ScheduledChunk],
+                 samplers: Sequence[ScheduledChunk], tokens: list[int],
+                 execute_s: float) -> ExecuteResult:
+    """A runner's answer for one batch: what each sampling chunk chose, and the logprobs
+    asked for. `logits`: the forward pass's rows (the sampled ones, then echo's), raw."""
+    n = len(samplers)
+    return ExecuteResult(
+        sampled={c.request_id: t for c, t in zip(samplers, tokens, strict=True)},
+        execute_s=execute_s,
+        logprobs=sampled_logprobs(logits[:n], samplers, tokens),
+        prompt_logprobs=prompt_logprobs(logits[n:], chunks),
+    )

@@ -22,7 +22,7 @@ import torch
 
 from common.contracts import ExecuteResult, KVShape, ScheduledChunk
 from worker.attention import build_meta
-from worker.logits_processing import process, prompt_logprobs, sampled_logprobs
+from worker.logits_processing import batch_result, process
 from worker.model import LlamaModel
 from worker.model_config import ModelConfig
 from worker.sampler import sample_tokens
@@ -83,12 +83,7 @@ class ModelRunner:
         raw = logits[: len(samplers)]
         tokens = sample_tokens(process(raw, params), samplers)
         self.tuner.end(time.perf_counter() - t0)
-        sampled = {c.request_id: t for c, t in zip(samplers, tokens, strict=True)}
-        return ExecuteResult(
-            sampled=sampled, execute_s=time.perf_counter() - t0,
-            logprobs=sampled_logprobs(raw, samplers, tokens),
-            prompt_logprobs=prompt_logprobs(logits[len(samplers):], chunks),
-        )
+        return batch_result(logits, chunks, samplers, tokens, time.perf_counter() - t0)
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Finished requests: drop their sampling state."""

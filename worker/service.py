@@ -128,9 +128,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # Nothing may fail between making the pool and recording it (stop() unlinks it).
         # A stop during the load above cancels this coroutine there: no pool is made.
         runner: ModelRunner | CudaModelRunner
-        # Grammars need the tokenizer; it is built the first time one comes (~1 s).
-        sampling = SamplingStates(mcfg.vocab_size, lambda: GrammarBank(
-            Tokenizer.from_source(source), mcfg.vocab_size))
+        sampling = _sampling_states(source, mcfg.vocab_size)
         if built is not None:
             pool = DevicePool.create(shape.shape, dtype, POOL_DEVICE)
             runner = ModelRunner(built.model, pool.tensor, cfg.block_size, built.weights,
@@ -181,9 +179,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             lambda: [store.get(f"shm/{r}").decode() for r in range(1, n)])
         pool = DevicePool.create(shard_pool_shape(cfg, shard), shard.kv_dtype, POOL_DEVICE)
         pool.shards = [pool.handle().shm_name, *names]
-        mcfg = shard.model.cfg
-        sampling = SamplingStates(mcfg.vocab_size, lambda: GrammarBank(
-            Tokenizer.from_source(source), mcfg.vocab_size))
+        sampling = _sampling_states(source, shard.model.cfg.vocab_size)
         runner = ModelRunner(shard.model, pool.tensor, cfg.block_size, shard.weights, sampling,
                              ThreadTuner((threads,)), group=tp.group)
         self._loaded(runner, pool, _model_info(source, shard.full, cfg.block_size, shard.weights),
@@ -244,6 +240,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self, request: scheduler_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.ModelInfo:
         return (await self._ready(context)).info
+
+
+def _sampling_states(source: ModelSource, vocab_size: int) -> SamplingStates:
+    """The runner's per-request sampling state. Grammars need the tokenizer; it is built
+    the first time one comes (~1 s)."""
+    return SamplingStates(vocab_size, lambda: GrammarBank(Tokenizer.from_source(source),
+                                                          vocab_size))
 
 
 def _model_info(source: ModelSource, mcfg: ModelConfig, block_size: int, fmt: str

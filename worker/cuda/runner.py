@@ -24,7 +24,7 @@ from worker.cuda.batch import DeviceBatch, HostBatch, build_batch
 from worker.cuda.graphs import GraphPlan
 from worker.cuda.model import CudaLlama
 from worker.cuda.sampler import sample_tokens
-from worker.logits_processing import process, prompt_logprobs, sampled_logprobs
+from worker.logits_processing import batch_result, process
 from worker.model_config import ModelConfig
 from worker.sampling_state import SamplingStates
 
@@ -90,12 +90,7 @@ class CudaModelRunner:
         raw = logits[: len(samplers)]
         x = process(raw, params.to(raw.device))
         tokens = sample_tokens(x, samplers) if samplers else []
-        sampled = {c.request_id: t for c, t in zip(samplers, tokens, strict=True)}
-        return ExecuteResult(
-            sampled=sampled, execute_s=time.perf_counter() - t0,
-            logprobs=sampled_logprobs(raw, samplers, tokens),
-            prompt_logprobs=prompt_logprobs(logits[len(samplers):], chunks),
-        )
+        return batch_result(logits, chunks, samplers, tokens, time.perf_counter() - t0)
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Finished requests: drop their sampling state."""
