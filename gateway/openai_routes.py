@@ -337,15 +337,19 @@ class _ChatFormat(_Format):
 
     def chunks(self, delta: Delta, gen: Generation, include_usage: bool) -> list[str]:
         out = []
-        stream = self._streams.setdefault(delta.index, tools.ContentStream(self.tools))
-        text = stream.feed(delta.text)
+        text, stream = delta.text, None
+        if self.tools.active:  # held back where a call may begin
+            stream = self._streams.get(delta.index)
+            if stream is None:
+                stream = self._streams[delta.index] = tools.ContentStream(self.tools)
+            text = stream.feed(text)
         if text or (self.logprobs and delta.logprobs):
             choice = s.ChatChunkChoice(index=delta.index, delta=s.ChatDelta(content=text),
                                        logprobs=self._logprobs(delta.logprobs))
             out.append(self._dump(self._chunk([choice]), include_usage))
         if delta.finish_reason is not None:
             reason: str | None = delta.finish_reason
-            if self.tools.active:
+            if stream is not None:
                 parsed = stream.finish()
                 reason = self._finish_reason(parsed, reason)
                 calls = [s.DeltaToolCall(index=i, id=k.id, function=s.ToolCallFunction(

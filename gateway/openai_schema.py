@@ -28,7 +28,7 @@ from pydantic import (
 )
 
 from common.contracts import Grammar
-from gateway.tools import Function, ToolMode, tool_mode
+from gateway.tools import NO_PARAMETERS, Function, ToolMode, tool_mode
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -310,7 +310,7 @@ class ChatCompletionRequest(SamplingRequest):
     def tool_mode(self) -> ToolMode:
         """ValueError for a tool_choice that names nothing given (see gateway/tools.py)."""
         functions = [Function(t.function.name, t.function.description,
-                              t.function.parameters or {"type": "object", "properties": {}})
+                              t.function.parameters or dict(NO_PARAMETERS))
                      for t in self.tools or ()]
         return tool_mode(functions, self.tool_choice, self.parallel_tool_calls)
 

@@ -238,19 +238,17 @@ def _hermes_call(body: str, known: set[str]) -> Call | None:
 
 
 class ContentStream:
-    """Streaming under `"auto"`: text is sent as content until a `<tool_call>` may begin;
-    from there it is held, and `finish` tells what the held text was (calls, or text)."""
+    """Streaming with tools (an active mode). Under `"auto"`, text is sent as content
+    until a `<tool_call>` may begin; from there it is held, and `finish` tells what the
+    held text was (calls, or text). A forced call is held whole."""
 
     def __init__(self, mode: ToolMode) -> None:
         self.mode = mode
         self._held = ""  # text not sent yet
-        self._sent = ""
         self._calling = False
 
     def feed(self, text: str) -> str:
         """The part of the text so far that can go out as content now."""
-        if not self.mode.active:
-            return text
         self._held += text
         if self.mode.constrained or self._calling:
             return ""
@@ -262,13 +260,10 @@ class ContentStream:
             keep = next((k for k in range(min(len(CALL_OPEN) - 1, len(self._held)), 0, -1)
                          if CALL_OPEN.startswith(self._held[-k:])), 0)
             out, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep:]
-        self._sent += out
         return out
 
     def finish(self) -> Parsed:
         """At the end: the calls, and the text held back that is content after all."""
-        if not self.mode.active:
-            return Parsed(None)
         if self.mode.constrained:
             return parse(self.mode, self._held)
         parsed = _parse_hermes(self.mode, self._held)
