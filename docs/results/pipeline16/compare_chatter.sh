@@ -6,14 +6,7 @@
 #   compare_chatter.sh MAIN_CHECKOUT BRANCH_CHECKOUT OUT_DIR
 set -euo pipefail
 MAIN=$1 BRANCH=$2 OUT=$(realpath -m "$3")
-mkdir -p "$OUT"
-export PYTHONDONTWRITEBYTECODE=1
-side() {  # side NAME CHECKOUT BENCH ARGS...
-  local name=$1 dir=$2 bench=$3; shift 3
-  echo "== $(date -u +%H:%M:%S) $bench $name" >&2
-  (cd "$dir" && .venv/bin/superinfer bench "$bench" "$@" --json "$OUT/$bench-$name.json") \
-    > "$OUT/$bench-$name.txt" 2> "$OUT/$bench-$name.log"
-}
+source "$(dirname "$0")/side.sh"
 for round in 1 2; do
   side "main-$round" "$MAIN" overhead --requests 32 --repeats 5
   side "branch-$round" "$BRANCH" overhead --requests 32 --repeats 5
