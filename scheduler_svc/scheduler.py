@@ -669,9 +669,11 @@ class Scheduler:
         events: list[RequestEvent] = []
         epochs = out.kv_epochs
         caching = self.config.enable_prefix_caching
-        if self.cost is not None and out.chunks and result.execute_s > 0:
-            context = sum(c.start_pos + len(c.token_ids) for c in out.chunks)
-            self.cost.observe(out.num_tokens, len(out.chunks), context, result.execute_s)
+        if out.chunks and result.execute_s > 0:
+            self.policy.observe_iteration(result.execute_s)
+            if self.cost is not None:
+                context = sum(c.start_pos + len(c.token_ids) for c in out.chunks)
+                self.cost.observe(out.num_tokens, len(out.chunks), context, result.execute_s)
         for chunk in out.chunks:
             req = self.requests.get(chunk.request_id)
             if req is None:

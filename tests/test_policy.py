@@ -63,6 +63,27 @@ def test_lvf_serves_on_time_requests_by_vlt_then_late_ones_oldest_first() -> Non
     assert not lvf.may_preempt(victim, missed, now) and not lvf.may_preempt(victim, parked, now)
 
 
+def test_a_parked_request_behind_its_pace_is_late_only_when_it_cannot_catch_up() -> None:
+    """Behind its pace by 2 s with 90 of its 100 tokens to go (S_F 100 ms): at 20 ms per
+    token it catches up (it may be 90 × 0.08 − 0.1 = 7.1 s behind). At 60 ms it could too,
+    but a second of lag would cost 1.5 s of a seat: late at once."""
+    now = 10.0
+    parked = req("p", 0.0, RequestState.ROTARY, last_token=7.0)
+    parked.output_token_ids = [1] * 10  # first token at 7.0: due at 8.0, behind by 2 s
+    fresh = req("fresh", arrival=9.9)
+    victim = req("v", 0.0, RequestState.RUNNING, last_token=9.95, run_start=1.0)
+    assert is_late(parked, now) and is_late(parked, now, gap_s=0.06)
+    assert not is_late(parked, now, gap_s=0.02)
+    lvf = make_policy("lvf", P)
+    assert [r.request_id for r in lvf.candidates([fresh], [parked], now)] == ["fresh", "p"]
+    assert not lvf.may_preempt(victim, parked, now)
+    for _ in range(50):  # batches of 20 ms: now it lags most, and may preempt
+        lvf.observe_iteration(0.02)
+    assert lvf.gap_s == pytest.approx(0.02)
+    assert [r.request_id for r in lvf.candidates([fresh], [parked], now)] == ["p", "fresh"]
+    assert lvf.may_preempt(victim, parked, now)
+
+
 def test_lvf_honours_per_request_slos() -> None:
     now = 10.0
     loose = req("loose", arrival=8.0, slo=SLO(ttft_s=10.0, tbt_s=0.1))  # 0.2 - 1 = -0.8
@@ -303,6 +324,8 @@ def test_lazy_merged_order_equals_the_plain_sort(name: str) -> None:
     policy = make_policy(name, P)
     for trial in range(30):
         now = 100.0
+        if trial % 2:  # LVF: some started requests behind their pace can catch up
+            policy.observe_iteration(rng.choice([0.01, 0.05, 0.2]))
         waiting = RequestQueue(lambda r: policy.order_key(r, False))
         rotary = RequestQueue(lambda r: policy.order_key(r, True))
         running = RequestQueue(policy.running_key)
@@ -361,7 +384,7 @@ def test_lvf_merge_key_is_the_vlt_definitions(params: VLTParams) -> None:
     from scheduler_svc.policy.vlt import lag_anchor
 
     def definition(r: Request, now: float) -> tuple[float, ...]:
-        if is_late(r, now):
+        if is_late(r, now, lvf.gap_s):
             return (1.0, lag_anchor(r, params), r.arrival_time)
         return (0.0, -vlt(r, now, params), r.arrival_time)
 
@@ -369,6 +392,8 @@ def test_lvf_merge_key_is_the_vlt_definitions(params: VLTParams) -> None:
     lvf = make_policy("lvf", params)
     seen = set()
     for i in range(2000):
+        # No batch seen yet, then gaps from a fifth of the SLO to over it.
+        lvf.gap_s = None if i < 500 else rng.choice([0.01, 0.04, 0.09, 0.6])
         now = rng.uniform(0.0, 100.0)
         slo = SLO(rng.choice([1.0, 5.0, 20.0]), rng.choice([0.05, 0.1, 0.5]))
         state = rng.choice([RequestState.WAITING, RequestState.ROTARY, RequestState.RUNNING])

@@ -101,6 +101,10 @@ class Policy(ABC):
         into (0: admit into every free block, vLLM's behaviour)."""
         return 0
 
+    def observe_iteration(self, seconds: float) -> None:
+        """A batch ran for `seconds`: the time between tokens its running requests got."""
+        return None
+
     def candidate_runs(self, runs: list[list[Entry]], now: float) -> list[list[Entry]]:
         """The queues' sorted runs, split where the merge key's order needs it (each
         returned run must be sorted by `merge_key` at `now`)."""

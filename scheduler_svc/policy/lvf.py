@@ -3,12 +3,16 @@
 Candidates (waiting and rotary requests) come in two tiers. A request that can still meet
 the SLO it waits on is *on time*; on-time requests go first, largest VLT first. A request
 that has already missed it — no first token within its TTFT SLO, or parked past the pace
-its TPOT needs (vlt.is_late) — is *late*: it is served from what the on-time ones leave,
-oldest deadline first, and never preempts anyone. Measured in the simulator (docs/sim,
-issue #18): without the tiers, a parked request's lag grows without bound and, under
-sustained overload, rotary requests that can no longer be saved take every seat from new
-requests that still could be (TTFT attainment 69 % where the tiers give 100 %, gh200,
-20 req/s).
+its TPOT needs so far that it cannot catch up (vlt.is_late) — is *late*: it is served
+from what the on-time ones leave, oldest deadline first, and never preempts anyone.
+Measured in the simulator (docs/sim, issue #18): without the tiers, a parked request's lag
+grows without bound and, under sustained overload, rotary requests that can no longer be
+saved take every seat from new requests that still could be (TTFT attainment 69 % where
+the tiers give 100 %, gh200, 20 req/s). Whether a parked request can catch up depends on
+the time between tokens it would get, which the policy follows from the executed batches
+(`observe_iteration`): on the CPU stack, where an iteration is a fifteenth of the TBT
+SLO, a request parked past its pace catches up within its remaining tokens, and counting
+it as late starved it while arrivals continued (docs/sim/issue18/real_stack, 1.5×).
 
 Groups for the lazy order (see policy/base.py): VLT depends on time only through
 `now - anchor`, where the anchor is the arrival (no token yet), the due time of the next
@@ -24,7 +28,14 @@ import bisect
 from collections.abc import Iterable
 
 from scheduler_svc.policy.base import OrderKey, Policy, RotationLimits, Unservable
-from scheduler_svc.policy.vlt import VLTParams, is_late, lag_anchor, vlt
+from scheduler_svc.policy.vlt import (
+    VLTParams,
+    catch_up_limit,
+    due_time,
+    is_late,
+    lag_anchor,
+    vlt,
+)
 from scheduler_svc.queue import Entry
 from scheduler_svc.request import Request, RequestState
 
@@ -42,19 +53,31 @@ class LVFPolicy(Policy):
         # may_preempt is asked for one candidate against victim after victim: its side of
         # the comparison, for the last (candidate, time) asked.
         self._asked: tuple[Request | None, float, float | None] = (None, 0.0, None)
+        # The time between tokens a request gets when served: a moving mean of the
+        # executed batches' times (None until the first batch).
+        self.gap_s: float | None = None
+
+    def observe_iteration(self, seconds: float) -> None:
+        self.gap_s = seconds if self.gap_s is None else 0.9 * self.gap_s + 0.1 * seconds
+        self._asked = (None, 0.0, None)  # lateness may have changed
+
+    def is_late(self, req: Request, now: float) -> bool:
+        return is_late(req, now, self.gap_s)
 
     def order_key(self, req: Request, rotary: bool) -> OrderKey:
         # Highest VLT first = earliest anchor first within a group; ties to the earlier arrival.
         if req.first_token_time is None:
             return ("ttft", req.slo.ttft_s), (req.arrival_time,)
-        return ("tbt", req.slo.tbt_s), (lag_anchor(req, self.params), req.arrival_time)
+        # Its lag is scaled by S_B: one group per (S_F, S_B), not per S_F alone.
+        return ("tbt", req.slo.tbt_s, req.slo.ttft_s), (lag_anchor(req, self.params),
+                                                        req.arrival_time)
 
     def merge_key(self, req: Request, now: float) -> tuple[float, ...]:
         # is_late, lag_anchor and vlt of a candidate in one pass, the same arithmetic in
         # the same order (the admission walk asks it of hundreds of candidates per
         # iteration); tests/test_rotasched.py checks it against the definitions.
         if req.state is RequestState.RUNNING:  # not a candidate: the definitions' way
-            if is_late(req, now):
+            if is_late(req, now, self.gap_s):
                 return (1.0, lag_anchor(req, self.params), req.arrival_time)
             return (0.0, -vlt(req, now, self.params), req.arrival_time)
         p, slo, first = self.params, req.slo, req.first_token_time
@@ -65,25 +88,36 @@ class LVFPolicy(Policy):
             return (0.0, -((now - arrival) / slo.ttft_s - (1.0 - p.beta_b)), arrival)
         k = len(req.output_token_ids) + req.num_placeholders  # vlt.tokens_out
         anchor = first + (1.0 - p.beta_f) * k * slo.tbt_s
-        if now > first + k * slo.tbt_s:  # late
+        behind = now - (first + k * slo.tbt_s)
+        gap = self.gap_s
+        if behind > 0.0 and (gap is None or behind > catch_up_limit(  # late (vlt.is_late)
+                req.sampling.max_tokens - k, slo.tbt_s, gap)):
             return (1.0, anchor, req.arrival_time)
         lag = (now - anchor) / slo.ttft_s
         return (0.0, -(p.alpha * lag if lag >= 0.0 else lag / p.alpha), req.arrival_time)
 
     def candidate_runs(self, runs: list[list[Entry]], now: float) -> list[list[Entry]]:
         # Each group is sorted by lag anchor; its late requests become a run of their own.
-        # Where the anchor orders like the deadline (new requests; started ones with
-        # beta_f = 0) they are a prefix, else a subsequence (still sorted by anchor).
+        # New requests are late in a prefix (the anchor orders like the deadline). Started
+        # ones are late among those behind their pace, which are a prefix where beta_f = 0
+        # (else any of the run); whether one of those can catch up depends on its
+        # remaining tokens, so they are filtered (a subsequence, still sorted by anchor).
         out = []
+        late_now = self.is_late
         for run in runs:
             if not run:
                 continue
-            if run[0][2].first_token_time is None or self.params.beta_f == 0.0:
-                cut = bisect.bisect_left(run, True, key=lambda e: not is_late(e[2], now))
+            if run[0][2].first_token_time is None:
+                cut = bisect.bisect_left(run, True, key=lambda e: not late_now(e[2], now))
                 late, on_time = run[:cut], (run[cut:] if cut else run)
+            elif self.params.beta_f == 0.0:
+                behind = bisect.bisect_left(run, True, key=lambda e: due_time(e[2]) >= now)
+                late = [e for e in run[:behind] if late_now(e[2], now)]
+                on_time = ([e for e in run[:behind] if not late_now(e[2], now)] + run[behind:]
+                           if late else run)
             else:
-                late = [e for e in run if is_late(e[2], now)]
-                on_time = [e for e in run if not is_late(e[2], now)] if late else run
+                late = [e for e in run if late_now(e[2], now)]
+                on_time = [e for e in run if not late_now(e[2], now)] if late else run
             if late:
                 out.append(late)
             if on_time:
@@ -143,7 +177,7 @@ class LVFPolicy(Policy):
         asked, at, bar = self._asked
         if asked is not candidate or at != now:
             # A late request is served from free capacity only: it preempts nobody.
-            bar = (None if is_late(candidate, now)
+            bar = (None if is_late(candidate, now, self.gap_s)
                    else vlt(candidate, now, self.params) - self.limits.vlt_margin)
             self._asked = (candidate, now, bar)
         if bar is None:

@@ -85,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "a rate runs close in time to the others' on a machine whose load "
                         "drifts; writes <policy>@<rate>.json per pass (with --trace, the "
                         "last pass's trace per policy)")
+    p.add_argument("--warmup", type=int, default=0, metavar="N",
+                   help="requests each fresh stack serves (all at once, another seed) before "
+                        "its pass is measured: a cold stack serves its first ~40 s slower")
     p.add_argument("--out", default="docs/results/experiment", help="output directory")
     p.add_argument("--startup-timeout", type=float, default=300.0)
 
@@ -270,18 +273,28 @@ def run(args: argparse.Namespace) -> int:
         stack = Stack(policy, args, run_dir)
         try:
             path = out / (f"{policy}@{rates}.json" if args.interleave else f"{policy}.json")
-            bench = [
-                sys.executable, "-m", "superinfer.cli", "bench", "serve",
-                "--base-url", stack.base_url, "--label", policy, "--sweep-rps", rates,
-                *(["--num-prompts", str(args.num_prompts)] if args.num_prompts
-                  else ["--duration", str(args.duration)]),
+            workload = [
                 *(["--slo-classes", args.slo_classes] if args.slo_classes else []),
                 "--dataset", args.dataset,
                 "--max-prompt-len", str(args.max_prompt_len),
                 "--max-output-len", str(args.max_output_len),
-                "--length-scale", str(args.length_scale), "--seed", str(args.seed),
-                "--ttft-slo", str(args.ttft_slo), "--tbt-slo", str(args.tbt_slo),
-                "--json", str(path), "--no-progress",
+                "--length-scale", str(args.length_scale),
+                "--ttft-slo", str(args.ttft_slo), "--tbt-slo", str(args.tbt_slo), "--no-progress",
+            ]
+            serve = [sys.executable, "-m", "superinfer.cli", "bench", "serve",
+                     "--base-url", stack.base_url, "--label", policy, *workload]
+            if args.warmup:
+                warm = run_dir / "warmup.json"
+                if subprocess.call([*serve, "--sweep-rps", "inf", "--num-prompts",
+                                    str(args.warmup), "--seed", str(args.seed + 1),
+                                    "--json", str(warm)], stdout=subprocess.DEVNULL) != 0:
+                    print(f"the warm-up pass for {policy} failed", file=sys.stderr)
+                    return 1
+            bench = [
+                *serve, "--sweep-rps", rates,
+                *(["--num-prompts", str(args.num_prompts)] if args.num_prompts
+                  else ["--duration", str(args.duration)]),
+                "--seed", str(args.seed), "--json", str(path),
             ]
             load, began = os.getloadavg(), time.strftime("%H:%M:%S", time.gmtime())
             rc = subprocess.call(bench)
