@@ -60,9 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads on both sides (the started worker gets OMP_NUM_THREADS); "
                         "on a busy CPU, 1 avoids OpenMP threads waiting on each other")
     p.add_argument("--client", choices=CLIENTS, default="lean",
-                   help="the streaming client (superinfer/bench/sse_client.py): lean takes "
-                        "the least CPU from the server it shares the machine with; httpx "
-                        "is what this benchmark used before")
+                   help="the streaming client (superinfer/bench/sse_client.py): lean "
+                        "(http:// only) takes the least CPU from the server it shares the "
+                        "machine with; httpx is what this benchmark used before")
     p.add_argument("--json", default=None, help="write results to this JSON file")
 
 
