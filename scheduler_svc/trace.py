@@ -51,7 +51,10 @@ class Trace:
         self._lock = threading.Lock()
         self.clock = clock
         self.t0 = clock()  # trace time 0, on the scheduler's clock
-        self._emit({"ph": "M", "name": "process_name", "pid": 1, "args": {"name": process_name}})
+        # clock_origin_s: trace time 0 on that clock (time.monotonic() by default, which is
+        # system-wide), so another process can place its own moments on the timeline.
+        self._emit({"ph": "M", "name": "process_name", "pid": 1,
+                    "args": {"name": process_name, "clock_origin_s": self.t0}})
         for name, tid in TRACKS.items():
             self._emit({"ph": "M", "name": "thread_name", "pid": 1, "tid": tid,
                         "args": {"name": name}})
@@ -171,6 +174,15 @@ def scheduler_load(sched: Scheduler) -> dict[str, float]:
     return {"running": len(sched.running), "waiting": len(sched.waiting),
             "rotary": len(sched.rotary), "device_blocks_free": sched.bm.num_free_device,
             "host_blocks_free": sched.bm.num_free_host}
+
+
+def clock_origin(events: list[dict[str, Any]]) -> float | None:
+    """Trace time 0 on the scheduler's clock (None: a trace written before it was kept)."""
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            origin = e.get("args", {}).get("clock_origin_s")
+            return float(origin) if origin is not None else None
+    return None
 
 
 def load_trace(path: str | Path) -> list[dict[str, Any]]:

@@ -658,3 +658,21 @@ def test_kvmem_runs_with_the_non_temporal_copy_threshold(stack: Stack) -> None:
     lines = [json.loads(line) for line in (stack.run_dir / "kvmem.log").read_text().splitlines()
              if '"copy_tunables"' in line]
     assert lines and lines[-1]["nt_threshold"] == NT_THRESHOLD
+
+
+def test_the_benchmarks_lean_client_reads_what_httpx_reads(stack: Stack) -> None:
+    """bench overhead / bench pipeline stream with superinfer/bench/sse_client.py (least CPU
+    taken from the server beside it): the same token counts and first tokens as httpx, and
+    a refused request fails with the gateway's status."""
+    from superinfer.bench.serve_overhead import _served_once
+    from superinfer.bench.sse_client import stream_post
+
+    prompts = PLAIN_PROMPTS[:3]
+    lean = asyncio.run(_served_once(stack.http_url, prompts, 7, "lean"))
+    plain = asyncio.run(_served_once(stack.http_url, prompts, 7, "httpx"))
+    assert lean.new_tokens == plain.new_tokens == 3 * 7
+    assert 0 < lean.mean_ttft_s <= lean.wall_s
+    with pytest.raises(RuntimeError, match="gateway answered 400"):
+        asyncio.run(stream_post(stack.http_url, "/v1/completions",
+                                {"prompt": "x", "max_tokens": -1, "stream": True}))
+    _wait_all_blocks_free(stack)

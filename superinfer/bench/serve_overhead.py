@@ -27,6 +27,7 @@ import httpx
 from common.daemon import free_port
 from superinfer.bench.engine import PROMPTS
 from superinfer.bench.report import table, write_json
+from superinfer.bench.sse_client import stream_post
 from superinfer.probes import grpc_probe, http_probe
 from superinfer.supervisor import ServiceSpec, Supervisor
 
@@ -58,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads on both sides (the started worker gets OMP_NUM_THREADS); "
                         "on a busy CPU, 1 avoids OpenMP threads waiting on each other")
+    p.add_argument("--client", choices=CLIENTS, default="lean",
+                   help="the streaming client (superinfer/bench/sse_client.py): lean "
+                        "(http:// only) takes the least CPU from the server it shares the "
+                        "machine with; httpx is what this benchmark used before")
     p.add_argument("--json", default=None, help="write results to this JSON file")
 
 
@@ -70,15 +75,21 @@ def _decode_rate(n_per_request: list[int], first: list[float], end: float) -> fl
 # -- served ------------------------------------------------------------------------------------
 
 
-async def _served_once(url: str, prompts: list[str], new: int) -> Measure:
+CLIENTS = ("lean", "httpx")
+
+
+async def _served_once(url: str, prompts: list[str], new: int, client: str = "lean") -> Measure:
+    """Stream every prompt at once through the gateway; `client`: `lean` (the benchmark's
+    default: superinfer/bench/sse_client.py, the least CPU taken from the server on a shared
+    machine) or `httpx` (what these benchmarks used before)."""
+    if client == "lean":
+        return await _served_lean(url, prompts, new)
     limits = httpx.Limits(max_connections=len(prompts) + 4)
     async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=None, limits=limits) as c:
 
         async def one(prompt: str) -> tuple[float, int]:
             first, n = 0.0, 0
-            body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True,
-                    "stream": True, "stream_options": {"include_usage": True}}
-            async with c.stream("POST", "/v1/completions", json=body) as r:
+            async with c.stream("POST", "/v1/completions", json=_body(prompt, new)) as r:
                 if r.status_code != 200:
                     raise RuntimeError(f"gateway answered {r.status_code}: {(await r.aread())[:300]!r}")
                 async for line in r.aiter_lines():
@@ -96,10 +107,26 @@ async def _served_once(url: str, prompts: list[str], new: int) -> Measure:
         t0 = time.monotonic()
         results = await asyncio.gather(*(one(p) for p in prompts))
         end = time.monotonic()
-    firsts, counts = [f for f, _ in results], [n for _, n in results]
-    return Measure("gateway (REST/SSE)", len(prompts), sum(counts), end - t0,
-                   sum(f - t0 for f in firsts) / len(firsts), _decode_rate(counts, firsts, end))
+    return _measure(results, t0, end)
 
+
+def _body(prompt: str, new: int) -> dict[str, object]:
+    return {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+
+async def _served_lean(url: str, prompts: list[str], new: int) -> Measure:
+    t0 = time.monotonic()
+    streams = await asyncio.gather(*(stream_post(url, "/v1/completions", _body(p, new))
+                                     for p in prompts))
+    end = time.monotonic()
+    return _measure([(s.first, s.tokens) for s in streams], t0, end)
+
+
+def _measure(results: list[tuple[float, int]], t0: float, end: float) -> Measure:
+    firsts, counts = [f for f, _ in results], [n for _, n in results]
+    return Measure("gateway (REST/SSE)", len(results), sum(counts), end - t0,
+                   sum(f - t0 for f in firsts) / len(firsts), _decode_rate(counts, firsts, end))
 
 
 
@@ -150,7 +177,7 @@ class _Served:
 
     def measure(self, prompts: list[str], new: int) -> Measure:
         assert self.url is not None
-        return asyncio.run(_served_once(self.url, prompts, new))
+        return asyncio.run(_served_once(self.url, prompts, new, self.args.client))
 
     def close(self) -> None:
         if self.sup is not None:
@@ -237,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, object] = {
         "workload": {"requests": args.requests, "max_tokens": args.max_tokens,
                      "device_blocks": args.device_blocks, "greedy": True, "ignore_eos": True,
-                     "threads": args.threads, "repeats": args.repeats},
+                     "threads": args.threads, "repeats": args.repeats, "client": args.client},
         "measures": [{**asdict(m), "total_tok_s": m.total_tok_s} for m in medians],
         "runs": [[{**asdict(m), "total_tok_s": m.total_tok_s} for m in r] for r in runs],
     }
