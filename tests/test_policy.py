@@ -310,8 +310,9 @@ def test_lvf_rotates_out_to_free_a_seat() -> None:
     assert out.rotated_out == ["r1"]
 
 
-@pytest.mark.parametrize("name", ["lvf", "fcfs", "swapped-first", "waiting-first"])
-def test_lazy_merged_order_equals_the_plain_sort(name: str) -> None:
+@pytest.mark.parametrize(("name", "params"), [("lvf", P), ("lvf", VLTParams()), ("fcfs", P),
+                                              ("swapped-first", P), ("waiting-first", P)])
+def test_lazy_merged_order_equals_the_plain_sort(name: str, params: VLTParams) -> None:
     """The scheduler keeps each policy group sorted and merges them lazily; the result must
     be the order `candidates()` / `running_order()` define, for any mix of SLO classes,
     however requests entered and left the queues."""
@@ -321,7 +322,7 @@ def test_lazy_merged_order_equals_the_plain_sort(name: str) -> None:
     from scheduler_svc.scheduler import _merge
 
     rng = random.Random(7)
-    policy = make_policy(name, P)
+    policy = make_policy(name, params)
     for trial in range(30):
         now = 100.0
         if trial % 2:  # LVF: some started requests behind their pace can catch up
