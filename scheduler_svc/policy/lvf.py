@@ -135,7 +135,8 @@ class LVFPolicy(Policy):
         if gap is None or tbt - gap <= gap:  # nobody catches up (vlt.catch_up_limit)
             return behind, []
         win = tbt - gap
-        late, saved = [], []
+        late: list[Entry] = []
+        saved: list[Entry] = []
         for e in behind:
             q = e[2]
             k = len(q.output_token_ids) + q.num_placeholders
