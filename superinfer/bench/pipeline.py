@@ -46,6 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None)
 
 
+def covered(a: float, b: float, by: list[dict[str, Any]]) -> float:
+    """Seconds of the trace interval [a, b] (µs) that the spans `by` cover."""
+    return sum(max(0.0, min(b, w["ts"] + w["dur"]) - max(a, w["ts"])) for w in by) / 1e6
+
+
 def compute_share(events: list[dict[str, Any]], since: float | None = None) -> dict[str, float]:
     """From a scheduler trace: the worker's compute over the span of its batches.
 
@@ -72,8 +77,7 @@ def compute_share(events: list[dict[str, Any]], since: float | None = None) -> d
     # Where the worker idled: the gaps between one batch's end and the next one's start,
     # and how much of them a transfer wait covered (the step held the next batch back).
     gaps = [(a["ts"] + a["dur"], b["ts"]) for a, b in zip(spans, spans[1:], strict=False)]
-    held = sum(max(0.0, min(b, w["ts"] + w["dur"]) - max(a, w["ts"]))
-               for a, b in gaps if b > a for w in waits) / 1e6
+    held = sum(covered(a, b, waits) for a, b in gaps if b > a)
     return {
         "batches": float(len(spans)),
         "wall_s": end - start,

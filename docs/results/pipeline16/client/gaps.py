@@ -8,16 +8,12 @@ import statistics
 import sys
 
 from scheduler_svc.trace import load_trace
+from superinfer.bench.pipeline import covered
 
 
 def spans(events: list[dict], name: str) -> list[dict]:
     return sorted((e for e in events if e.get("ph") == "X" and e["name"] == name),
                   key=lambda e: e["ts"])
-
-
-def covered(a: float, b: float, by: list[dict]) -> float:
-    """Seconds of [a, b] (trace µs) that the spans `by` cover."""
-    return sum(max(0.0, min(b, w["ts"] + w["dur"]) - max(a, w["ts"])) for w in by) / 1e6
 
 
 def main(path: str) -> None:
