@@ -129,6 +129,10 @@ class _Plan:
     # releases, how many of those the copy keeps busy, whether those two stay valid).
     victim_blocks: dict[str, tuple[int, int, int, bool]] = field(default_factory=dict)
     victim_head: int = 0  # victims before this index are off the device already
+    # Upper bounds on the device blocks that preempting every victim still running would
+    # release (None: to be computed again, after a preemption or once a victim's exact
+    # blocks are known). A candidate needing more beyond the free room cannot be served.
+    releasable: tuple[int, int] | None = None  # (for compute, for a swap-in): _releasable
 
 
 class Scheduler:
@@ -536,41 +540,73 @@ class Scheduler:
         serve anyone only costs transfers.
         """
         bm, policy = self.bm, self.policy
-        caching = bm.prefix_caching
         cap = policy.limits.xfer_budget_blocks
         room, moved = self._room(rotary, plan.reserve), plan.xfer_used + cost
+        head = _first_running(victims, plan)
+        busy_counts = rotary or not bm.same_iteration_reuse
+        if plan.releasable is None:
+            plan.releasable = self._releasable(victims[head:], plan)
+        if need > room + plan.releasable[busy_counts]:
+            return None  # even preempting every victim would not make room
         chosen: list[Request] = []
-        for v in itertools.islice(victims, _first_running(victims, plan), None):
+        for v in itertools.islice(victims, head, None):
             if need <= room and (chosen or not need_seat):
                 break
             if v.state is not RequestState.RUNNING:
                 continue
             if not policy.may_preempt(v, q, plan.now):
                 break  # victims come lowest first: later ones may not be preempted either
-            blocks = plan.victim_blocks.get(v.request_id)
-            if blocks is None:
-                swaps = policy.swaps_out(v)
-                out_cost = bm.swap_out_cost(v) if swaps else 0
-                held, busy = bm.released_by_preempting(v, swaps)
-                # Without prefix caching no reference is added during admission, so a
-                # victim that shares no block now releases the same blocks all iteration.
-                stable = not caching and held == bm.num_device_blocks_of(v)
-                blocks = plan.victim_blocks[v.request_id] = (out_cost, held, busy, stable)
-            out_cost, held, busy, stable = blocks
+            out_cost, held, busy = self._victim_blocks(v, plan)
             if cap is not None and moved and moved + out_cost > cap:
                 continue
             # Blocks a rotate-out copies stay busy until the copy ran: never usable by a
             # swap-in this iteration, and by compute only in a serial step (see the top of
             # block_manager.py). Blocks another request shares are not released at all.
-            if not stable:  # a co-owner may have let go of shared blocks since
-                held, busy = bm.released_by_preempting(v, policy.swaps_out(v))
-            room += held - busy if rotary or not bm.same_iteration_reuse else held
+            room += held - busy if busy_counts else held
             moved += out_cost
             chosen.append(v)
         return chosen if need <= room and (chosen or not need_seat) else None
 
+    def _releasable(self, victims: list[Request], plan: _Plan) -> tuple[int, int]:
+        """Upper bounds on the device blocks that preempting every running one of `victims`
+        releases: (all of them, those no rotate-out copy keeps busy)."""
+        compute = free_at_once = 0
+        blocks_of, cached, running = self.bm.num_device_blocks_of, plan.victim_blocks, RequestState.RUNNING
+        for v in victims:
+            if v.state is not running:
+                continue
+            known = cached.get(v.request_id)
+            if known is not None and known[3]:  # stable: exact for the whole iteration
+                compute += known[1]
+                free_at_once += known[1] - known[2]
+            else:  # at most every device block of its own
+                n = blocks_of(v)
+                compute += n
+                free_at_once += n
+        return compute, free_at_once
+
+    def _victim_blocks(self, v: Request, plan: _Plan) -> tuple[int, int, int]:
+        """A running request as a victim: (blocks a rotate-out copies, device blocks
+        preempting it releases, how many of those the copy keeps busy)."""
+        blocks = plan.victim_blocks.get(v.request_id)
+        if blocks is None:
+            bm, swaps = self.bm, self.policy.swaps_out(v)
+            out_cost = bm.swap_out_cost(v) if swaps else 0
+            held, busy = bm.released_by_preempting(v, swaps)
+            # Without prefix caching no reference is added during admission, so a victim
+            # that shares no block now releases the same blocks all iteration.
+            stable = not bm.prefix_caching and held == bm.num_device_blocks_of(v)
+            blocks = plan.victim_blocks[v.request_id] = (out_cost, held, busy, stable)
+            if stable:
+                plan.releasable = None  # its exact blocks make a tighter bound
+        out_cost, held, busy, stable = blocks
+        if not stable:  # a co-owner may have let go of shared blocks since
+            held, busy = self.bm.released_by_preempting(v, self.policy.swaps_out(v))
+        return out_cost, held, busy
+
     def _preempt(self, victim: Request, plan: _Plan) -> None:
         """Take a running request off the device: rotate it out, or recompute later."""
+        plan.releasable = None  # fewer victims; their co-owned blocks may be freed
         n = plan.tokens.pop(victim.request_id, 0)
         plan.budget += n
         self.running.remove(victim)
