@@ -130,9 +130,11 @@ class _Plan:
     victim_blocks: dict[str, tuple[int, int, int, bool]] = field(default_factory=dict)
     victim_head: int = 0  # victims before this index are off the device already
     # Upper bounds on the device blocks that preempting every victim still running would
-    # release (None: to be computed again, after a preemption or once a victim's exact
-    # blocks are known). A candidate needing more beyond the free room cannot be served.
-    releasable: tuple[int, int] | None = None  # (for compute, for a swap-in): _releasable
+    # release, (for compute, for a swap-in), kept up to date as victims go and their exact
+    # blocks become known; per victim, what it adds (empty: not counted yet). A candidate
+    # needing more beyond the free room cannot be served: no victim walk needed.
+    releasable: list[int] = field(default_factory=lambda: [0, 0])
+    victim_bound: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -544,8 +546,8 @@ class Scheduler:
         room, moved = self._room(rotary, plan.reserve), plan.xfer_used + cost
         head = _first_running(victims, plan)
         busy_counts = rotary or not bm.same_iteration_reuse
-        if plan.releasable is None:
-            plan.releasable = self._releasable(victims[head:], plan)
+        if not plan.victim_bound:
+            self._count_releasable(victims[head:], plan)
         if need > room + plan.releasable[busy_counts]:
             return None  # even preempting every victim would not make room
         chosen: list[Request] = []
@@ -567,23 +569,16 @@ class Scheduler:
             chosen.append(v)
         return chosen if need <= room and (chosen or not need_seat) else None
 
-    def _releasable(self, victims: list[Request], plan: _Plan) -> tuple[int, int]:
-        """Upper bounds on the device blocks that preempting every running one of `victims`
-        releases: (all of them, those no rotate-out copy keeps busy)."""
-        compute = free_at_once = 0
-        blocks_of, cached, running = self.bm.num_device_blocks_of, plan.victim_blocks, RequestState.RUNNING
+    def _count_releasable(self, victims: list[Request], plan: _Plan) -> None:
+        """plan.releasable for the running ones of `victims`: each adds at most every device
+        block of its own (of those, a swap-in may not use the ones a rotate-out copies)."""
+        bound, blocks_of, running = plan.victim_bound, self.bm.num_device_blocks_of, RequestState.RUNNING
         for v in victims:
-            if v.state is not running:
-                continue
-            known = cached.get(v.request_id)
-            if known is not None and known[3]:  # stable: exact for the whole iteration
-                compute += known[1]
-                free_at_once += known[1] - known[2]
-            else:  # at most every device block of its own
+            if v.state is running:
                 n = blocks_of(v)
-                compute += n
-                free_at_once += n
-        return compute, free_at_once
+                bound[v.request_id] = (n, n)
+                plan.releasable[0] += n
+                plan.releasable[1] += n
 
     def _victim_blocks(self, v: Request, plan: _Plan) -> tuple[int, int, int]:
         """A running request as a victim: (blocks a rotate-out copies, device blocks
@@ -597,8 +592,11 @@ class Scheduler:
             # that shares no block now releases the same blocks all iteration.
             stable = not bm.prefix_caching and held == bm.num_device_blocks_of(v)
             blocks = plan.victim_blocks[v.request_id] = (out_cost, held, busy, stable)
-            if stable:
-                plan.releasable = None  # its exact blocks make a tighter bound
+            counted = plan.victim_bound.get(v.request_id)
+            if stable and counted is not None:  # its exact blocks: a tighter bound
+                plan.victim_bound[v.request_id] = (held, held - busy)
+                plan.releasable[0] += held - counted[0]
+                plan.releasable[1] += held - busy - counted[1]
         out_cost, held, busy, stable = blocks
         if not stable:  # a co-owner may have let go of shared blocks since
             held, busy = self.bm.released_by_preempting(v, self.policy.swaps_out(v))
@@ -606,7 +604,10 @@ class Scheduler:
 
     def _preempt(self, victim: Request, plan: _Plan) -> None:
         """Take a running request off the device: rotate it out, or recompute later."""
-        plan.releasable = None  # fewer victims; their co-owned blocks may be freed
+        counted = plan.victim_bound.pop(victim.request_id, None)
+        if counted is not None:  # one victim fewer (any it shares blocks with stay bounded)
+            plan.releasable[0] -= counted[0]
+            plan.releasable[1] -= counted[1]
         n = plan.tokens.pop(victim.request_id, 0)
         plan.budget += n
         self.running.remove(victim)
