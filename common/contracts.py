@@ -15,6 +15,7 @@ turns them into proto messages and back:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -119,7 +120,8 @@ class ScheduledChunk:
     logprobs: int = -1
     # Echo: row i of the chunk (position start_pos + i) scores prompt_logprob_targets[i],
     # the prompt token after it (with `logprobs` most likely tokens, at least 0).
-    prompt_logprob_targets: list[int] = field(default_factory=list)
+    # (A shared empty tuple by default: no list per chunk for the rare echo request.)
+    prompt_logprob_targets: Sequence[int] = ()
     # Its logits depend on its own tokens (penalties, logit bias, grammar): the worker keeps
     # per-request state, rebuilt from `state` when given (see SamplingState).
     stateful: bool = False

@@ -772,7 +772,9 @@ class BlockManager:
         caching = self.prefix_caching
         for req in running:
             t = tables.get(req.request_id)
-            synced = req.num_settled_tokens // bs  # no batch in flight writes these
+            # No batch in flight writes these (num_settled_tokens, inlined: once per
+            # running request per iteration).
+            synced = (req.num_computed_tokens - req.num_inflight_tokens) // bs
             if t is None or t.eager_next >= synced:
                 continue  # nothing newly synced (most requests, most iterations)
             synced = min(synced, len(t))

@@ -169,9 +169,15 @@ class Request:
     _open_stall: float = 0.0
     _mark: float = 0.0
 
+    # Its chunks carry more than the plain sampling fields (logprobs, echo, penalties,
+    # bias, grammar): set once here, as the scheduler asks for every chunk of every batch.
+    chunk_extras: bool = field(init=False, default=False, repr=False)
+
     def __post_init__(self) -> None:
         self._state_since = self._mark = self.arrival_time
         self.transitions.append((self.arrival_time, self.state.value))
+        s = self.sampling
+        self.chunk_extras = s.logprobs is not None or s.prompt_logprobs or s.stateful
 
     # -- token accounting ---------------------------------------------------------------
     @property

@@ -546,10 +546,6 @@ class Scheduler:
         room, moved = self._room(rotary, plan.reserve), plan.xfer_used + cost
         head = _first_running(victims, plan)
         busy_counts = rotary or not bm.same_iteration_reuse
-        if not plan.victim_bound:
-            self._count_releasable(victims[head:], plan)
-        if need > room + plan.releasable[busy_counts]:
-            return None  # even preempting every victim would not make room
         chosen: list[Request] = []
         for v in itertools.islice(victims, head, None):
             if need <= room and (chosen or not need_seat):
@@ -558,6 +554,11 @@ class Scheduler:
                 continue
             if not policy.may_preempt(v, q, plan.now):
                 break  # victims come lowest first: later ones may not be preempted either
+            if not chosen:  # someone may be preempted: would even all of them make room?
+                if not plan.victim_bound:
+                    self._count_releasable(victims[head:], plan)
+                if need > room + plan.releasable[busy_counts]:
+                    return None
             out_cost, held, busy = self._victim_blocks(v, plan)
             if cap is not None and moved and moved + out_cost > cap:
                 continue
@@ -668,7 +669,7 @@ class Scheduler:
             # The live table (see ScheduledChunk); a running request holds every block.
             chunk = new_chunk(rid, ids, start, table(rid), sample, s.temperature,
                               s.top_p, s.top_k, s.seed, len(output) + placeholders)
-            if s.logprobs is not None or s.prompt_logprobs or s.stateful:
+            if req.chunk_extras:
                 self._sampling_fields(req, chunk, end)
             add(chunk)
             # In flight from now on (len(ids) == n).
