@@ -445,8 +445,9 @@ class BlockManager:
 
     def allocate(self, req: Request, num_new_tokens: int) -> None:
         """Grow a running request's table to hold its next `num_new_tokens` tokens."""
-        t = self.table(req)
-        n = self.num_new_blocks(req, num_new_tokens)
+        self._grow(self.table(req), self.num_new_blocks(req, num_new_tokens))
+
+    def _grow(self, t: BlockTable, n: int) -> None:
         new = self._new_device(n)
         t.device = [*t.device, *new]  # a new list: see BlockTable
         t.host.extend([None] * n)
@@ -460,9 +461,10 @@ class BlockManager:
             len(t.device) * self.block_size
         ):
             return True
-        if not self.can_allocate(req, num_new_tokens):
+        n = self.num_new_blocks(req, num_new_tokens)  # can_allocate + allocate, asked once
+        if n > self.num_free_for_compute:
             return False
-        self.allocate(req, num_new_tokens)
+        self._grow(self.table(req), n)
         return True
 
     # -- release ---------------------------------------------------------------------------
@@ -772,9 +774,7 @@ class BlockManager:
         caching = self.prefix_caching
         for req in running:
             t = tables.get(req.request_id)
-            # No batch in flight writes these (num_settled_tokens, inlined: once per
-            # running request per iteration).
-            synced = (req.num_computed_tokens - req.num_inflight_tokens) // bs
+            synced = req.num_settled_tokens // bs  # no batch in flight writes these
             if t is None or t.eager_next >= synced:
                 continue  # nothing newly synced (most requests, most iterations)
             synced = min(synced, len(t))

@@ -90,6 +90,11 @@ class RequestQueue:
         """Snapshots of the sorted groups (safe to hold while the queue changes)."""
         return [run.copy() for run in self._groups.values()]
 
+    def live_groups(self) -> list[list[Entry]]:
+        """The sorted groups themselves, to read before the queue next changes (no copy of
+        thousands of entries for a look that changes nothing)."""
+        return list(self._groups.values())
+
     def __contains__(self, req: object) -> bool:
         return isinstance(req, Request) and self._items.get(req.request_id) is req
 

@@ -285,7 +285,7 @@ class Scheduler:
             return cfg.max_batched_tokens
         budget = tokens_within(cost, target, len(running), context, cfg.max_batched_tokens)
         per_seq = context / len(running) if running else 0.0
-        demand = self.policy.prefill_demand(self.waiting.groups(), self.clock())
+        demand = self.policy.prefill_demand(self.waiting.live_groups(), self.clock())
         reserve = min(budget // 2, int(demand * target))
         self._seat_limit = max(1, seqs_within(cost, target, per_seq, cfg.max_num_seqs,
                                               reserve))
@@ -305,7 +305,7 @@ class Scheduler:
         order = (
             arrival_order(self.running.list())
             if fcfs_mode
-            else list(_merge(self.running.groups(), self.policy.running_merge_key, plan.now))
+            else list(_merge(self.running.live_groups(), self.policy.running_merge_key, plan.now))
         )
         self._schedule_running(order, plan)
         self._admit(order, plan, fcfs_mode)
