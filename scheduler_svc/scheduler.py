@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import operator
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -324,7 +325,7 @@ class Scheduler:
         self.stats.iterations += 1
         self.stats.decision_s_total += decision
         self.stats.decision_s_max = max(self.stats.decision_s_max, decision)
-        total = sum(len(c.token_ids) for c in chunks)
+        total = sum(plan.tokens.values())  # each chunk has its request's tokens
         out = SchedulerOutput(
             iteration=self.iteration,
             chunks=chunks,
@@ -573,7 +574,8 @@ class Scheduler:
     def _count_releasable(self, victims: list[Request], plan: _Plan) -> None:
         """plan.releasable for the running ones of `victims`: each adds at most every device
         block of its own (of those, a swap-in may not use the ones a rotate-out copies)."""
-        bound, blocks_of, running = plan.victim_bound, self.bm.num_device_blocks_of, RequestState.RUNNING
+        bound, blocks_of = plan.victim_bound, self.bm.num_device_blocks_of
+        running = RequestState.RUNNING
         for v in victims:
             if v.state is running:
                 n = blocks_of(v)
@@ -936,6 +938,9 @@ def _first_running(victims: list[Request], plan: _Plan) -> int:
     return head
 
 
+_request_of = operator.itemgetter(2)  # of a queue Entry
+
+
 def _merge(
     runs: list[list[Entry]], key: Callable[[Request, float], tuple[object, ...]], now: float
 ) -> Iterator[Request]:
@@ -944,7 +949,7 @@ def _merge(
     heapq.merge's order (equal keys: the earlier run first), without its per-item wrappers:
     the admission walk may consume a few hundred candidates per iteration."""
     if len(runs) == 1:  # one group (one SLO class, or a static policy): already in order
-        return (e[2] for e in runs[0])
+        return map(_request_of, runs[0])
     return _merge_runs(runs, key, now)
 
 
