@@ -410,11 +410,17 @@ class Scheduler:
             if free_only:
                 # Fast skip: once nobody may be preempted, walking on only looks for a
                 # candidate that fits the free blocks (often ~100 candidates deep).
+                if q.state is RequestState.ROTARY:
+                    if room_rotary <= 0:
+                        continue  # a rotary request holds KV: it needs a block at least
+                    room = room_rotary
+                else:
+                    room = room_waiting
                 c = q.num_computed_tokens
                 left = (len(q.prompt_token_ids) + len(q.output_token_ids) + q.num_placeholders
                         - c)  # num_tokens - c, inlined
                 need = -(-(c + min(left, plan.budget)) // bs)
-                if need > (room_rotary if q.state is RequestState.ROTARY else room_waiting):
+                if need > room:
                     continue
             if plan.budget <= 0:
                 break
