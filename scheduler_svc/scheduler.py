@@ -276,14 +276,14 @@ class Scheduler:
         target = self.policy.iteration_target_s(min(self._tbt_slos))
         if target is None:
             return cfg.max_batched_tokens
-        running = self.running
-        # sum(num_tokens), the property inlined: this runs every iteration over the batch.
-        context = sum(len(r.prompt_token_ids) + len(r.output_token_ids) + r.num_placeholders
-                      for r in running)
         if cost.seconds(1, 1, 1) > target / 2:
             # The executor's fixed cost per batch alone takes half the target: fewer requests
             # per batch would cost throughput and win no gap (measured on the CPU stack).
             return cfg.max_batched_tokens
+        running = self.running
+        # sum(num_tokens), the property inlined: this runs every iteration over the batch.
+        context = sum(len(r.prompt_token_ids) + len(r.output_token_ids) + r.num_placeholders
+                      for r in running)
         budget = tokens_within(cost, target, len(running), context, cfg.max_batched_tokens)
         per_seq = context / len(running) if running else 0.0
         demand = self.policy.prefill_demand(self.waiting.live_groups(), self.clock())
