@@ -55,6 +55,14 @@ class RequestQueue:
             bisect.insort(self._groups.setdefault(group, []), entry)
             self._entries[rid] = (group, entry)
 
+    def refile(self) -> None:
+        """Re-file every request under its current order key (the policy's keys changed)."""
+        reqs = list(self._items.values())
+        for req in reqs:
+            self.remove(req)
+        for req in reqs:
+            self.append(req)
+
     def remove(self, req: Request) -> None:
         del self._items[req.request_id]
         self._live.discard(self._size_seq.pop(req.request_id))

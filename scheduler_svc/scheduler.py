@@ -162,7 +162,7 @@ class Scheduler:
         # Each queue keeps the policy's groups sorted, so an iteration merges them lazily
         # instead of sorting every live request (policy/base.py).
         self.waiting = RequestQueue(lambda r: policy.order_key(r, False))
-        self.running = RequestQueue(policy.running_key)
+        self.running = RequestQueue(policy.running_key if policy.static_running_order else None)
         self.rotary = RequestQueue(lambda r: policy.order_key(r, True))
         self.iteration = 0
         self.stats = SchedulerStats()
@@ -303,11 +303,13 @@ class Scheduler:
         self.bm.begin_iteration()
         fcfs_mode = self.policy.plain_fcfs(self.everything_fits())
 
-        order = (
-            arrival_order(self.running.list())
-            if fcfs_mode
-            else list(_merge(self.running.live_groups(), self.policy.running_merge_key, plan.now))
-        )
+        if fcfs_mode:
+            order = arrival_order(self.running.list())
+        elif self.policy.static_running_order:
+            order = list(_merge(self.running.live_groups(), self.policy.running_merge_key,
+                                plan.now))
+        else:
+            order = self.policy.running_order(self.running.list(), plan.now)
         self._schedule_running(order, plan)
         self._admit(order, plan, fcfs_mode)
         if self.policy.uses_host_pool and self.config.eager_budget_blocks and self.bm.num_host_blocks:
@@ -716,7 +718,9 @@ class Scheduler:
         epochs = out.kv_epochs
         caching = self.config.enable_prefix_caching
         if out.chunks and result.execute_s > 0:
-            self.policy.observe_iteration(result.execute_s)
+            if self.policy.observe_iteration(result.execute_s):
+                self.waiting.refile()
+                self.rotary.refile()
             if self.cost is not None:
                 context = sum(c.start_pos + len(c.token_ids) for c in out.chunks)
                 self.cost.observe(out.num_tokens, len(out.chunks), context, result.execute_s)

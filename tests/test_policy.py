@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler_svc.policy import RotationLimits, Unservable, VLTParams, make_policy, vlt
-from scheduler_svc.policy.vlt import due_time, is_late
+from scheduler_svc.policy.vlt import deadline, due_time, is_late
 from scheduler_svc.request import SLO, Request, RequestState, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 
@@ -42,8 +42,19 @@ def test_vlt_formulas() -> None:
     fast.first_token_time, fast.output_token_ids = 8.9, [1] * 11
     assert due_time(fast) == pytest.approx(8.9 + 11 * 0.1)
     assert not is_late(fast, now) and is_late(r, 10.01)
-    run = req("x", 0.0, RequestState.RUNNING, last_token=9.95, run_start=9.0)
-    assert vlt(run, now, P) == pytest.approx(-1.0 / (3.0 * 0.1))
+    # A running request lags against the same deadline: it leads by what it banked.
+    run = req("x", 0.0, RequestState.RUNNING, last_token=9.4, run_start=9.0)
+    run.first_token_time, run.output_token_ids = 8.9, [1] * 11  # due 10.0, anchor 9.45
+    assert vlt(run, 9.0, P) == pytest.approx((9.0 - 9.45) / 5.0 / 3.0)
+    # Served at 20 ms per token, its 89 tokens to go win back 89 × 0.08 − 0.1 s: its
+    # deadline moves that far, and its VLT with it (at 60 ms a second of lag would cost
+    # 1.5 s of a seat: nothing is won back).
+    assert deadline(run, 0.02) == pytest.approx(10.0 + 89 * 0.08 - 0.1)
+    assert vlt(run, 9.0, P, 0.02) == pytest.approx((9.0 - (17.02 - 0.55)) / 5.0 / 3.0)
+    assert deadline(run, 0.06) == deadline(run) == pytest.approx(10.0)
+    # One still prefilling its prompt leads by how long it has run.
+    pre = req("y", 0.0, RequestState.RUNNING, run_start=9.0)
+    assert vlt(pre, now, P) == pytest.approx(-1.0 / (3.0 * 0.1))
 
 
 def test_lvf_serves_on_time_requests_by_vlt_then_late_ones_oldest_first() -> None:
@@ -58,7 +69,7 @@ def test_lvf_serves_on_time_requests_by_vlt_then_late_ones_oldest_first() -> Non
     # On time by VLT (rot, old, fresh), then late by deadline (missed 8.0, parked 9.6).
     assert [r.request_id for r in order] == ["rot", "old", "fresh", "missed", "parked"]
     # A late request never preempts anyone: it is served from free capacity.
-    victim = req("v", 0.0, RequestState.RUNNING, last_token=9.95, run_start=1.0)
+    victim = req("v", 0.0, RequestState.RUNNING, run_start=1.0)  # prefilling for 9 s
     assert lvf.may_preempt(victim, fresh, now) and lvf.may_preempt(victim, rot, now)
     assert not lvf.may_preempt(victim, missed, now) and not lvf.may_preempt(victim, parked, now)
 
@@ -71,7 +82,7 @@ def test_a_parked_request_behind_its_pace_is_late_only_when_it_cannot_catch_up()
     parked = req("p", 0.0, RequestState.ROTARY, last_token=7.0)
     parked.output_token_ids = [1] * 10  # first token at 7.0: due at 8.0, behind by 2 s
     fresh = req("fresh", arrival=9.9)
-    victim = req("v", 0.0, RequestState.RUNNING, last_token=9.95, run_start=1.0)
+    victim = req("v", 0.0, RequestState.RUNNING, run_start=1.0)  # prefilling for 9 s
     assert is_late(parked, now) and is_late(parked, now, gap_s=0.06)
     assert not is_late(parked, now, gap_s=0.02)
     lvf = make_policy("lvf", P)
@@ -100,12 +111,18 @@ def test_lvf_never_preempts_a_request_with_nonnegative_vlt() -> None:
     now = 10.0
     lvf = make_policy("lvf", P)
     lagging = req("s", arrival=6.0)  # -0.2: on time
-    just_admitted = req("j", 0.0, RequestState.RUNNING, last_token=9.9, run_start=now)
-    assert vlt(just_admitted, now, P) == 0.0
-    assert not lvf.may_preempt(just_admitted, lagging, now)
-    long_runner = req("l", 0.0, RequestState.RUNNING, last_token=9.9, run_start=2.0)
+    behind = req("j", 0.0, RequestState.RUNNING, last_token=9.9, run_start=now)  # due 10.0
+    assert vlt(behind, now, P) > 0.0  # its lag starts at 9.95 (beta_f)
+    assert not lvf.may_preempt(behind, lagging, now)
+    long_runner = req("l", 0.0, RequestState.RUNNING, run_start=2.0)  # prefilling for 8 s
     assert lvf.may_preempt(long_runner, lagging, now)
-    # ... and only for a candidate that lags more than the victim leads.
+    # ... and only for a candidate that lags more than the victim leads: 60 tokens since
+    # 8.0 put this one's anchor at 11.0 (VLT -0.067), ahead of "lagging" (-0.2), behind a
+    # rotary request past its anchor.
+    ahead = req("a", 0.0, RequestState.RUNNING, last_token=9.95, run_start=2.0)
+    ahead.first_token_time, ahead.output_token_ids = 8.0, [1] * 60
+    rot = req("rot", 0.0, RequestState.ROTARY, last_token=9.97)
+    assert not lvf.may_preempt(ahead, lagging, now) and lvf.may_preempt(ahead, rot, now)
     fresh = req("f", arrival=10.0)
     assert not lvf.may_preempt(req("v", 0.0, RequestState.RUNNING, run_start=9.99), fresh, now)
 
@@ -152,7 +169,9 @@ def test_admission_decisions_are_the_policys() -> None:
 
 
 def _filled(policy: str, limits: RotationLimits | None = None) -> tuple[Scheduler, list[float]]:
-    """4 running requests fill the device pool; a 5th waits. Returns scheduler and clock."""
+    """4 running requests fill the device pool; a 5th waits. Returns scheduler and clock.
+    The running ones have a loose TBT SLO (10 s): their first token puts them far ahead
+    of their pace, so they lead a new request by more than its TTFT budget."""
     t = [0.0]
     s = Scheduler(
         SchedulerConfig(num_device_blocks=8, num_host_blocks=64, block_size=4,
@@ -161,7 +180,7 @@ def _filled(policy: str, limits: RotationLimits | None = None) -> tuple[Schedule
     )
     for i in range(4):
         s.add_request(Request(f"r{i}", list(range(7)), SamplingParams(max_tokens=50), 0.0,
-                              slo=SLO(1.0, 0.1)))
+                              slo=SLO(1.0, 10.0)))
     out = s.schedule()
     assert len(out.chunks) == 4 and s.bm.num_free_device == 0
     s.update_from_output(out, _sampled(out))
@@ -299,12 +318,13 @@ def test_lvf_rotates_out_to_free_a_seat() -> None:
                         max_batched_tokens=64, max_num_seqs=2, eager_budget_blocks=0),
         make_policy("lvf", P), clock=lambda: t[0],
     )
-    for rid in ("r0", "r1", "new"):
+    for rid, tbt in (("r0", 10.0), ("r1", 10.0), ("new", 0.1)):
         s.add_request(Request(rid, list(range(7)), SamplingParams(max_tokens=500), 0.0,
-                              slo=SLO(1.0, 0.1)))
+                              slo=SLO(1.0, tbt)))
     s.update_from_output(out := s.schedule(), _sampled(out))
     assert len(s.running) == 2 and s.everything_fits() is False  # memory fits, seats do not
-    t[0] = 0.5  # "new" on time (VLT -0.5), the running ones 0.5 s in (VLT -1.7)
+    t[0] = 0.5  # "new" on time (VLT -0.5); the running ones, with a loose TBT SLO of 10 s,
+    # ahead of their pace (anchor 5.0: VLT -1.5)
     out = s.schedule()
     assert "new" in [c.request_id for c in out.chunks] and len(s.running) == 2
     assert out.rotated_out == ["r1"]
@@ -354,8 +374,9 @@ def test_lazy_merged_order_equals_the_plain_sort(name: str, params: VLTParams) -
         lazy = ids(_merge(runs, policy.merge_key, now))
         plain = ids(policy.candidates(waiting.list(), rotary.list(), now))
         assert lazy == plain
-        lazy_run = ids(_merge(running.groups(), policy.running_merge_key, now))
-        assert lazy_run == ids(policy.running_order(running.list(), now))
+        if policy.static_running_order:  # else the scheduler sorts them (running_order)
+            lazy_run = ids(_merge(running.groups(), policy.running_merge_key, now))
+            assert lazy_run == ids(policy.running_order(running.list(), now))
 
 
 def test_queue_tracks_its_smallest_request() -> None:
@@ -386,8 +407,8 @@ def test_lvf_merge_key_is_the_vlt_definitions(params: VLTParams) -> None:
 
     def definition(r: Request, now: float) -> tuple[float, ...]:
         if is_late(r, now, lvf.gap_s):
-            return (1.0, lag_anchor(r, params), r.arrival_time)
-        return (0.0, -vlt(r, now, params), r.arrival_time)
+            return (1.0, lag_anchor(r, params, lvf.gap_s), r.arrival_time)
+        return (0.0, -vlt(r, now, params, lvf.gap_s), r.arrival_time)
 
     rng = random.Random(3)
     lvf = make_policy("lvf", params)
@@ -432,3 +453,58 @@ def test_scheduler_merge_is_heapq_merge() -> None:
 
         want = [e[2] for e in heapq.merge(*runs, key=lambda e: key(e[2], 0.0))]
         assert list(_merge(runs, key, 0.0)) == want
+
+
+def test_lvf_rotates_out_the_running_request_furthest_ahead_of_its_deadline() -> None:
+    """Victims come from the tail of the running order: the request with the most slack
+    goes first, however long it has run (LVF used to rank running requests by time since
+    admission, and rotated a request out a batch or two after it came back behind its
+    pace)."""
+    now = 10.0
+    lvf = make_policy("lvf", VLTParams())
+    back = req("back", 0.0, RequestState.RUNNING, last_token=9.9, run_start=9.95)
+    back.first_token_time, back.output_token_ids = 4.0, [1] * 50  # due 9.0: behind
+    ahead = req("ahead", 0.0, RequestState.RUNNING, last_token=9.9, run_start=1.0)
+    ahead.first_token_time, ahead.output_token_ids = 5.0, [1] * 60  # due 11.0: 1 s ahead
+    order = lvf.running_order([ahead, back], now)
+    assert [r.request_id for r in order] == ["back", "ahead"]  # "ahead" is the first victim
+    fresh = req("fresh", arrival=9.0)  # 4 s of TTFT slack: VLT -0.8, "ahead" -0.67
+    assert not lvf.may_preempt(ahead, fresh, now) and not lvf.may_preempt(back, fresh, now)
+    assert lvf.may_preempt(ahead, req("old", arrival=6.0), now)  # 1 s of slack: -0.2
+
+
+def test_lvf_refiles_its_queues_when_the_batch_time_moves() -> None:
+    """A parked request's deadline depends on the measured time between tokens, so its
+    place in the rotary queue does too: when the mean moves by more than a tenth, LVF says
+    so and the queue is re-filed (as the scheduler does), keeping the lazy order the
+    definition's. Without the re-filing the order below would be stale."""
+    from scheduler_svc.queue import RequestQueue
+    from scheduler_svc.scheduler import _merge
+
+    lvf = make_policy("lvf", VLTParams())
+    rotary = RequestQueue(lambda r: lvf.order_key(r, True))
+    # Both parked since their 10th token: "long" due at 5.8 with 190 tokens to go, "short"
+    # due at 5.9 with 20.
+    for rid, max_tokens, first in (("long", 200, 4.8), ("short", 30, 4.9)):
+        r = req(rid, 0.0, RequestState.ROTARY, last_token=first)
+        r.sampling = SamplingParams(max_tokens=max_tokens)
+        r.output_token_ids = [1] * 10
+        rotary.append(r)
+
+    def lazy_and_plain(now: float) -> tuple[list[str], list[str]]:
+        runs = lvf.candidate_runs(rotary.groups(), now)
+        return ([r.request_id for r in _merge(runs, lvf.merge_key, now)],
+                [r.request_id for r in lvf.candidates([], rotary.list(), now)])
+
+    # No batch seen: both late at 7.0, oldest deadline first.
+    assert lazy_and_plain(7.0) == (["long", "short"], ["long", "short"])
+    assert lvf.observe_iteration(0.02)  # the first batch sets the deadlines' gap
+    assert lazy_and_plain(7.0)[0] != lazy_and_plain(7.0)[1]  # stale until re-filed
+    rotary.refile()
+    # At 20 ms "long" wins back 190 × 0.08 − 0.1 s (deadline 20.9), "short" 1.5 s (7.4).
+    assert lazy_and_plain(7.0) == (["short", "long"], ["short", "long"])
+    assert not lvf.observe_iteration(0.021)  # within a tenth: the keys stand
+    assert all(lvf.observe_iteration(0.2) for _ in range(3))  # the mean climbs past 10 %
+    rotary.refile()
+    lazy, plain = lazy_and_plain(7.0)
+    assert lazy == plain

@@ -225,28 +225,29 @@ def _sim(variant: str) -> dict[str, float]:
 
 def test_raising_alpha_lowers_ttft_and_raises_per_request_tbt_attainment() -> None:
     """α weighs a started request's lag against a new one's (vlt.py). Measured (gh200-96gb,
-    26 req/s, 30 s, seed 0): TTFT 100 / 92.1 / 64.7 % and TPOT 85.1 / 92.9 / 100 % at α 0.1,
-    3, 30. Per-gap TBT attainment does not move with α (96.2 / 96.1 / 96.3 %): each rotation
-    costs its request one gap however long it is parked, and α changes how long, not how
-    often. So the direction holds for the per-request TBT (TPOT), not per gap."""
+    26 req/s, 30 s, seed 0): TTFT 100 / 97.7 / 73.7 % and TPOT 93.2 / 100 / 100 % at α 0.1,
+    3, 30 (TPOT is full from α 3 on). Per-gap TBT attainment hardly moves with α (98.7 /
+    98.3 / 98.5 %): each rotation costs its request one gap however long it is parked, and
+    α changes how long more than how often. So the direction holds for the per-request TBT
+    (TPOT), not per gap."""
     lo, mid, hi = (_sim(f"lvf:alpha={a}") for a in (0.1, 3, 30))
     assert lo["ttft"] > mid["ttft"] > hi["ttft"]
-    assert lo["tpot"] < mid["tpot"] < hi["tpot"]
+    assert lo["tpot"] < mid["tpot"] <= hi["tpot"]
     assert abs(hi["tbt"] - lo["tbt"]) < 0.01
 
 
 def test_raising_beta_f_lowers_ttft_attainment_of_new_requests() -> None:
     """β_F: the share of its TPOT budget a started request may use before it lags. Measured:
-    TTFT 98.4 / 67.9 / 64.6 % at β_F 0, 0.5, 1."""
+    TTFT 100 / 82.9 / 81.4 % at β_F 0, 0.5, 1."""
     ttft = [_sim(f"lvf:beta_f={b}")["ttft"] for b in (0.0, 0.5, 1.0)]
     assert ttft[0] > ttft[1] > ttft[2]
 
 
 def test_raising_beta_b_lowers_tbt_attainment_of_rotary_requests() -> None:
     """β_B: a new request lags after (1 − β_B) of its TTFT budget, so it outranks parked ones
-    sooner. Measured: TPOT attainment of the rotated requests 78.1 / 70.5 / 69.0 % at β_B 0,
-    0.5, 1. Their per-gap TBT attainment does not fall (96.8 / 96.9 / 97.2 %): waiting
-    longer adds no missed gap to a parked request, and fewer rotations (3679 / 2823 / 2057)
+    sooner. Measured: TPOT attainment of the rotated requests 96.0 / 91.3 / 86.6 % at β_B 0,
+    0.5, 1. Their per-gap TBT attainment does not fall (98.6 / 98.9 / 98.8 %): waiting
+    longer adds no missed gap to a parked request, and fewer rotations (1745 / 1408 / 740)
     mean fewer missed gaps."""
     runs = [_sim(f"lvf:beta_b={b}") for b in (0.0, 0.5, 1.0)]
     assert runs[0]["tpot_rotated"] > runs[1]["tpot_rotated"] > runs[2]["tpot_rotated"]

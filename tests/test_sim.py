@@ -232,7 +232,8 @@ def test_duplexkv_keeps_tpot_and_tail_tbt_that_vllm_style_transfers_lose() -> No
     fast = simulate(GH200, LLAMA, PolicyVariant.parse("lvf:xfer=400"),
                     SimConfig(device_blocks=150, host_blocks=20000), _findings_trace(), 6.0)
     assert fast.stats["transfer_s"] < slow.stats["transfer_s"] / 10  # type: ignore[operator]
-    assert fast.metrics.tpot_attainment > slow.metrics.tpot_attainment + 0.15  # 0.96 vs 0.73
+    # 1.0 vs 0.88 (0.96 vs 0.73 before LVF's deadlines followed catch-up, which rotate less)
+    assert fast.metrics.tpot_attainment > slow.metrics.tpot_attainment + 0.1
 
 
 def test_clock_cap_counts_every_request() -> None:

@@ -68,6 +68,10 @@ class Policy(ABC):
     # Share of the tightest TBT SLO an iteration may take when limits do not say (None:
     # no time target, vLLM's behaviour).
     default_iteration_budget: float | None = None
+    # Whether `running_key` orders the running requests at every moment. False: their
+    # order changes with time however they are grouped, and the scheduler sorts them by
+    # `running_merge_key` each iteration (a batch's seats, not the backlog).
+    static_running_order: bool = True
 
     # -- admission decisions (the scheduler asks; defaults are vLLM's behaviour) ------------
     def plain_fcfs(self, everything_fits: bool) -> bool:
@@ -101,9 +105,10 @@ class Policy(ABC):
         into (0: admit into every free block, vLLM's behaviour)."""
         return 0
 
-    def observe_iteration(self, seconds: float) -> None:
-        """A batch ran for `seconds`: the time between tokens its running requests got."""
-        return None
+    def observe_iteration(self, seconds: float) -> bool:
+        """A batch ran for `seconds`: the time between tokens its running requests got.
+        True: the queued requests' `order_key`s changed (the scheduler re-files them)."""
+        return False
 
     def candidate_runs(self, runs: list[list[Entry]], now: float) -> list[list[Entry]]:
         """The queues' sorted runs, split where the merge key's order needs it (each

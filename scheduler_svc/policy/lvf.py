@@ -2,24 +2,26 @@
 
 Candidates (waiting and rotary requests) come in two tiers. A request that can still meet
 the SLO it waits on is *on time*; on-time requests go first, largest VLT first. A request
-that has already missed it — no first token within its TTFT SLO, or parked past the pace
-its TPOT needs so far that it cannot catch up (vlt.is_late) — is *late*: it is served
-from what the on-time ones leave, oldest deadline first, and never preempts anyone.
+that has already missed it — no first token within its TTFT SLO, or parked past its
+deadline (vlt.deadline: its pace, plus what it can still win back) — is *late*: it is
+served from what the on-time ones leave, oldest deadline first, and never preempts anyone.
 Measured in the simulator (docs/sim, issue #18): without the tiers, a parked request's lag
 grows without bound and, under sustained overload, rotary requests that can no longer be
 saved take every seat from new requests that still could be (TTFT attainment 69 % where
-the tiers give 100 %, gh200, 20 req/s). Whether a parked request can catch up depends on
-the time between tokens it would get, which the policy follows from the executed batches
+the tiers give 100 %, gh200, 20 req/s). What a parked request can win back depends on the
+time between tokens it would get, which the policy follows from the executed batches
 (`observe_iteration`): on the CPU stack, where an iteration is a fifteenth of the TBT
 SLO, a request parked past its pace catches up within its remaining tokens, and counting
 it as late starved it while arrivals continued (docs/sim/issue18/real_stack, 1.5×).
 
 Groups for the lazy order (see policy/base.py): VLT depends on time only through
-`now - anchor`, where the anchor is the arrival (no token yet), the due time of the next
-token (a started request not running) or the last admission (running), scaled by the
-request's own SLO. Requests with the same formula and the same SLO therefore keep their
-relative order forever: one group per (formula, SLO), sorted by anchor; each group's late
-prefix is split off as a run of its own (`candidate_runs`).
+`now - anchor`, where the anchor is the arrival (no token yet) or the deadline (a started
+request not running), scaled by the request's own SLO. Requests with the same formula and
+the same SLO therefore keep their relative order while the time between tokens the
+deadlines use stays put: one group per (formula, SLO), sorted by anchor; each group's late
+prefix is split off as a run of its own (`candidate_runs`). That time follows the batches'
+mean in 10 % steps, and each step re-files the queues. Running requests' deadlines move
+with their tokens: the scheduler sorts them each iteration (`static_running_order`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from scheduler_svc.policy.base import OrderKey, Policy, RotationLimits, Unservab
 from scheduler_svc.policy.vlt import (
     VLTParams,
     catch_up_limit,
-    due_time,
     is_late,
     lag_anchor,
     vlt,
@@ -47,6 +48,11 @@ class LVFPolicy(Policy):
     # a quarter of the gaps came out just over the SLO, docs/sim/README.md §10).
     default_iteration_budget = 0.9
 
+    # A running request's VLT follows its tokens (its deadline moves with each), so the
+    # scheduler sorts the running requests each iteration (at most the batch's seats).
+    static_running_order = False
+    GAP_STEP = 0.1  # the deadlines' time between tokens follows its mean in 10 % steps
+
     def __init__(self, params: VLTParams, limits: RotationLimits) -> None:
         self.params = params
         self.limits = limits
@@ -54,12 +60,21 @@ class LVFPolicy(Policy):
         # the comparison, for the last (candidate, time) asked.
         self._asked: tuple[Request | None, float, float | None] = (None, 0.0, None)
         # The time between tokens a request gets when served: a moving mean of the
-        # executed batches' times (None until the first batch).
+        # executed batches' times (None until the first batch), and the value the
+        # deadlines use, which follows it only when it moves by more than GAP_STEP (a
+        # parked request's deadline depends on it: each move re-sorts the rotary queue).
+        self._gap_mean: float | None = None
         self.gap_s: float | None = None
 
-    def observe_iteration(self, seconds: float) -> None:
-        self.gap_s = seconds if self.gap_s is None else 0.9 * self.gap_s + 0.1 * seconds
-        self._asked = (None, 0.0, None)  # lateness may have changed
+    def observe_iteration(self, seconds: float) -> bool:
+        m = self._gap_mean
+        self._gap_mean = m = seconds if m is None else 0.9 * m + 0.1 * seconds
+        g = self.gap_s
+        if g is not None and abs(m - g) <= self.GAP_STEP * g:
+            return False
+        self.gap_s = m
+        self._asked = (None, 0.0, None)
+        return True
 
     def is_late(self, req: Request, now: float) -> bool:
         return is_late(req, now, self.gap_s)
@@ -69,51 +84,48 @@ class LVFPolicy(Policy):
         if req.first_token_time is None:
             return ("ttft", req.slo.ttft_s), (req.arrival_time,)
         # Its lag is scaled by S_B: one group per (S_F, S_B), not per S_F alone.
-        return ("tbt", req.slo.tbt_s, req.slo.ttft_s), (lag_anchor(req, self.params),
-                                                        req.arrival_time)
+        return ("tbt", req.slo.tbt_s, req.slo.ttft_s), (
+            lag_anchor(req, self.params, self.gap_s), req.arrival_time)
 
     def merge_key(self, req: Request, now: float) -> tuple[float, ...]:
         # is_late, lag_anchor and vlt of a candidate in one pass, the same arithmetic in
         # the same order (the admission walk asks it of hundreds of candidates per
-        # iteration); tests/test_rotasched.py checks it against the definitions.
-        if req.state is RequestState.RUNNING:  # not a candidate: the definitions' way
-            if is_late(req, now, self.gap_s):
-                return (1.0, lag_anchor(req, self.params), req.arrival_time)
-            return (0.0, -vlt(req, now, self.params), req.arrival_time)
+        # iteration); tests/test_policy.py checks it against the definitions.
         p, slo, first = self.params, req.slo, req.first_token_time
         if first is None:
+            if req.state is RequestState.RUNNING:  # not a candidate: the definitions' way
+                if is_late(req, now):
+                    return (1.0, lag_anchor(req, p), req.arrival_time)
+                return (0.0, -vlt(req, now, p), req.arrival_time)
             arrival = req.arrival_time
             if now > arrival + slo.ttft_s:  # late
                 return (1.0, arrival + (1.0 - p.beta_b) * slo.ttft_s, arrival)
             return (0.0, -((now - arrival) / slo.ttft_s - (1.0 - p.beta_b)), arrival)
         k = len(req.output_token_ids) + req.num_placeholders  # vlt.tokens_out
-        anchor = first + (1.0 - p.beta_f) * k * slo.tbt_s
-        behind = now - (first + k * slo.tbt_s)
-        gap = self.gap_s
-        if behind > 0.0 and (gap is None or behind > catch_up_limit(  # late (vlt.is_late)
-                req.sampling.max_tokens - k, slo.tbt_s, gap)):
+        tbt, gap = slo.tbt_s, self.gap_s
+        dl = first + k * tbt  # vlt.deadline
+        if gap is not None:
+            extra = catch_up_limit(req.sampling.max_tokens - k, tbt, gap)
+            if extra > 0.0:
+                dl = dl + extra
+        anchor = dl - p.beta_f * k * tbt
+        if now > dl:  # late
             return (1.0, anchor, req.arrival_time)
         lag = (now - anchor) / slo.ttft_s
         return (0.0, -(p.alpha * lag if lag >= 0.0 else lag / p.alpha), req.arrival_time)
 
     def candidate_runs(self, runs: list[list[Entry]], now: float) -> list[list[Entry]]:
         # Each group is sorted by lag anchor; its late requests become a run of their own.
-        # New requests are late in a prefix (the anchor orders like the deadline). Started
-        # ones are late among those behind their pace, which are a prefix where beta_f = 0
-        # (else any of the run); whether one of those can catch up depends on its
-        # remaining tokens, so they are filtered (a subsequence, still sorted by anchor).
+        # Where the anchor is the deadline (new requests; started ones with beta_f = 0) the
+        # late ones are a prefix, else any of the run.
         out = []
         late_now = self.is_late
         for run in runs:
             if not run:
                 continue
-            if run[0][2].first_token_time is None:
+            if run[0][2].first_token_time is None or self.params.beta_f == 0.0:
                 cut = bisect.bisect_left(run, True, key=lambda e: not late_now(e[2], now))
                 late, on_time = run[:cut], (run[cut:] if cut else run)
-            elif self.params.beta_f == 0.0:
-                behind = bisect.bisect_left(run, True, key=lambda e: due_time(e[2]) >= now)
-                late, saved = self._split_behind(run[:behind], now)
-                on_time = saved + run[behind:] if late else run
             else:
                 late = [e for e in run if late_now(e[2], now)]
                 on_time = [e for e in run if not late_now(e[2], now)] if late else run
@@ -123,35 +135,11 @@ class LVFPolicy(Policy):
                 out.append(on_time)
         return out
 
-    def _split_behind(self, behind: list[Entry], now: float) -> tuple[list[Entry], list[Entry]]:
-        """Started requests of one group, all behind their pace: (late, can catch up), each
-        in the given order. One pass of is_late's arithmetic: the admission walk splits
-        hundreds of them per iteration under overload."""
-        gap = self.gap_s
-        if not behind:
-            return [], []
-        slo = behind[0][2].slo  # one group: one SLO
-        tbt = slo.tbt_s
-        if gap is None or tbt - gap <= gap:  # nobody catches up (vlt.catch_up_limit)
-            return behind, []
-        win = tbt - gap
-        late: list[Entry] = []
-        saved: list[Entry] = []
-        for e in behind:
-            q = e[2]
-            k = len(q.output_token_ids) + q.num_placeholders
-            lag = now - (q.first_token_time + k * tbt)  # type: ignore[operator]
-            (late if lag > (q.sampling.max_tokens - k) * win - tbt else saved).append(e)
-        return late, saved
-
     def running_key(self, req: Request) -> OrderKey:
-        # A running request's VLT falls with time since its admission: the latest admitted
-        # leads and the longest running is the first victim.
-        start = req.run_start_time if req.run_start_time is not None else float("inf")
-        return req.slo.tbt_s, (-start, req.arrival_time)
+        return 0, ()  # no static order (static_running_order): sorted each iteration
 
     def running_merge_key(self, req: Request, now: float) -> tuple[float, ...]:
-        return (-vlt(req, now, self.params), req.arrival_time)
+        return (-vlt(req, now, self.params, self.gap_s), req.arrival_time)
 
     def growth_reserve_blocks(self, num_running: int, block_size: int) -> int:
         # A free-block watermark, as the paper's code keeps: a block for every running
@@ -191,16 +179,16 @@ class LVFPolicy(Policy):
         hold = self.limits.hold_vlt
         return (hold is not None and candidate.first_token_time is None
                 and candidate.state is RequestState.WAITING
-                and vlt(candidate, now, self.params) >= hold)
+                and vlt(candidate, now, self.params, self.gap_s) >= hold)
 
     def may_preempt(self, victim: Request, candidate: Request, now: float) -> bool:
         asked, at, bar = self._asked
         if asked is not candidate or at != now:
             # A late request is served from free capacity only: it preempts nobody.
             bar = (None if is_late(candidate, now, self.gap_s)
-                   else vlt(candidate, now, self.params) - self.limits.vlt_margin)
+                   else vlt(candidate, now, self.params, self.gap_s) - self.limits.vlt_margin)
             self._asked = (candidate, now, bar)
         if bar is None:
             return False
-        v = vlt(victim, now, self.params)
+        v = vlt(victim, now, self.params, self.gap_s)
         return v < 0.0 and v < bar

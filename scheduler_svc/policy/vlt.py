@@ -2,26 +2,31 @@
 
 VLT > 0: lagging, serve it first. VLT < 0: ahead, a candidate for preemption.
 
-    waiting, no token yet   (t − arrival)/S_B − (1 − β_B)
-    started, not running    λ = (t − first_token − (1 − β_F)·k·S_F) / S_B     (k tokens out)
-                            α·λ when lagging (λ ≥ 0), λ/α when ahead
-    running                 −(t − run_start) / (α · S_F)
+    waiting, no token yet      (t − arrival)/S_B − (1 − β_B)
+    started (running or not)   λ = (t − D + β_F·k·S_F) / S_B     (k tokens out, D = deadline)
+                               α·λ when lagging (λ ≥ 0), λ/α when ahead
+    running, prefilling        −(t − run_start) / (α · S_F)
 
-A request that has its first token lags against its *pace*: with k tokens out, its
-(k+1)-th is due at `first_token + k·S_F`, the time at which its mean gap so far (TPOT,
-the per-request TBT that vLLM's goodput counts) would reach S_F. A request that ran with
-iterations shorter than S_F has banked the difference and may be parked that long
-without missing its TPOT. One parked past its due time is behind; it is late (`is_late`)
-only when it can no longer catch up: served from now on at the measured time between
-tokens, its remaining tokens (up to max_tokens) would not bring its mean gap back within
-S_F. Where iterations are much shorter than S_F (the CPU stack: 20 ms against 300) a
-request behind by many seconds still makes its TPOT; where they take most of S_F (a GPU
-under overload) it is late almost at once. β_F is the
-share of that budget it may use before it counts as lagging, as β_B is for the TTFT
-budget. Both lags are in units of the request's TTFT budget S_B, so that a parked
-request's slack and a new request's slack compare in the same seconds. α weighs a started
-request against a new one: its lag counts α times, its lead 1/α times, so a larger α makes
-it more urgent at every moment (and a running request a later victim).
+A started request lags against its *deadline* D: the latest time its next token may come
+and its TPOT (its mean gap, the per-request TBT that vLLM's goodput counts) still be met.
+With k tokens out, its (k+1)-th is due at `first_token + k·S_F` (its pace); a request that
+ran with iterations shorter than S_F has banked the difference. Served from then on at the
+measured time between tokens τ, it also wins back S_F − τ per remaining token, so D is
+its due time plus that (`catch_up_limit`; max_tokens bounds the remaining tokens). A
+request past D is late (`is_late`): it can no longer make its TPOT. Where iterations are
+much shorter than S_F (the CPU stack: 20 ms against 300) D lies seconds past the due
+time; where they take half of S_F or more (a GPU under overload) nothing is won back and
+D is the due time. While a request runs, each token moves D by τ (catch-up) or S_F
+(pace) as time moves by τ: its lead holds or grows; parked, it shrinks second for second.
+So running and parked requests, and new ones, compare by the same slack: victims are the
+requests furthest ahead of their deadlines (measured: LVF ranked running requests by time
+since admission instead and rotated a request out after a batch or two however far
+behind it was; docs/sim/issue18). β_F is the share of the TPOT budget a request may use
+before it counts as lagging, as β_B is for the TTFT budget. Both lags are in units of the
+request's TTFT budget S_B, so that a parked request's slack and a new request's slack
+compare in the same seconds. α weighs a started request against a new one: its lag counts
+α times, its lead 1/α times, so a larger α makes it more urgent at every moment (and a
+running request a later victim).
 """
 
 from __future__ import annotations
@@ -60,21 +65,28 @@ def due_time(req: Request) -> float:
     return first + tokens_out(req) * req.slo.tbt_s
 
 
+def deadline(req: Request, gap_s: float | None = None) -> float:
+    """The latest time the request may get its next token and still meet the SLO it waits
+    on: its TTFT deadline (no token yet); for a started request its due time, pushed back
+    by the lag it can still win back when served from then on at `gap_s` per token within
+    its remaining tokens (`catch_up_limit`; None: unknown, nothing is won back)."""
+    first = req.first_token_time
+    if first is None:
+        return req.arrival_time + req.slo.ttft_s
+    k, tbt = tokens_out(req), req.slo.tbt_s
+    due = first + k * tbt
+    if gap_s is None:
+        return due
+    extra = catch_up_limit(req.sampling.max_tokens - k, tbt, gap_s)
+    return due + extra if extra > 0.0 else due
+
+
 def is_late(req: Request, now: float, gap_s: float | None = None) -> bool:
     """Has the request already missed the SLO it is waiting on: its TTFT (no token yet),
     or its TPOT (a started request behind its pace that cannot catch up, module doc)?
     `gap_s`: the time between tokens it would get when served (None: unknown, so a
     request behind its pace counts as late)."""
-    first = req.first_token_time
-    if first is None:
-        return now > req.arrival_time + req.slo.ttft_s
-    k, tbt = tokens_out(req), req.slo.tbt_s
-    behind = now - (first + k * tbt)
-    if behind <= 0.0:
-        return False
-    if gap_s is None:
-        return True
-    return behind > catch_up_limit(req.sampling.max_tokens - k, tbt, gap_s)
+    return now > deadline(req, gap_s)
 
 
 def catch_up_limit(remaining: int, tbt_s: float, gap_s: float) -> float:
@@ -94,24 +106,25 @@ def catch_up_limit(remaining: int, tbt_s: float, gap_s: float) -> float:
     return remaining * win - tbt_s
 
 
-def vlt(req: Request, now: float, p: VLTParams) -> float:
-    """The request's Virtual Lag Time at `now`, using the request's own SLOs."""
+def vlt(req: Request, now: float, p: VLTParams, gap_s: float | None = None) -> float:
+    """The request's Virtual Lag Time at `now`, using the request's own SLOs; `gap_s` as
+    for `deadline`."""
     slo = req.slo
-    if req.state is RequestState.RUNNING:
-        start = req.run_start_time if req.run_start_time is not None else now
-        return -(now - start) / (p.alpha * slo.tbt_s)
     first = req.first_token_time
     if first is None:
+        if req.state is RequestState.RUNNING:  # its prompt is being prefilled
+            start = req.run_start_time if req.run_start_time is not None else now
+            return -(now - start) / (p.alpha * slo.tbt_s)
         # No token yet: lag against the TTFT budget since arrival.
         return (now - req.arrival_time) / slo.ttft_s - (1.0 - p.beta_b)
-    # Rotary (or recomputing after a preemption): lag against its pace (module doc).
-    lag = (now - lag_anchor(req, p)) / slo.ttft_s
+    # Started, running or not: lag against its deadline (module doc).
+    lag = (now - lag_anchor(req, p, gap_s)) / slo.ttft_s
     return p.alpha * lag if lag >= 0.0 else lag / p.alpha
 
 
-def lag_anchor(req: Request, p: VLTParams) -> float:
+def lag_anchor(req: Request, p: VLTParams, gap_s: float | None = None) -> float:
     """When a request starts to lag (VLT 0); its VLT grows linearly from there."""
     first = req.first_token_time
     if first is None:
         return req.arrival_time + (1.0 - p.beta_b) * req.slo.ttft_s
-    return first + (1.0 - p.beta_f) * tokens_out(req) * req.slo.tbt_s
+    return deadline(req, gap_s) - p.beta_f * tokens_out(req) * req.slo.tbt_s
