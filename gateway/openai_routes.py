@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any, Literal
+from typing import Any
 
 import pydantic_core
 from fastapi import APIRouter, Request
@@ -225,7 +225,7 @@ class _Format:
         self.texts = TokenTexts(model.tokenizer)
         self.logprobs = body.top_logprobs_wanted() is not None
         self.n = body.num_choices
-        self._templates: dict[tuple[Any, ...], tuple[str, str] | Literal[False]] = {}
+        self._templates: dict[tuple[Any, ...], tuple[str, ...]] = {}  # () where none
 
     def opening(self, include_usage: bool, n: int) -> list[str]:
         return []
@@ -252,10 +252,9 @@ class _Format:
         and later chunks splice the text's JSON (pydantic's own string encoder) into it."""
         parts = self._templates.get(key)
         if parts is None:
-            dumped = self._dump(build(_PLACEHOLDER), include_usage)
-            pieces = dumped.split(_PLACEHOLDER_JSON)
-            parts = self._templates[key] = (pieces[0], pieces[1]) if len(pieces) == 2 else False
-        if parts is False:  # the placeholder is not unique in it: no template
+            pieces = self._dump(build(_PLACEHOLDER), include_usage).split(_PLACEHOLDER_JSON)
+            parts = self._templates[key] = tuple(pieces) if len(pieces) == 2 else ()
+        if not parts:  # the placeholder is not unique in the chunk: no template
             return self._dump(build(text), include_usage)
         return parts[0] + pydantic_core.to_json(text).decode() + parts[1]
 

@@ -57,8 +57,8 @@ def test_completion_chunks_equal_the_dumped_models(model: ModelState, include_us
                 assert fast == _built_completion(fmt, delta, include_usage)
     # The model's name is the placeholder in the second case: no template, built as before.
     assert fmt._templates
-    assert all(v is False for v in fmt._templates.values()) == bool(name)
-    assert not any(v is False for v in fmt._templates.values()) == (not name)
+    assert all(v == () for v in fmt._templates.values()) == bool(name)
+    assert not any(v == () for v in fmt._templates.values()) == (not name)
 
 
 @pytest.mark.parametrize("include_usage", [False, True])
@@ -70,7 +70,7 @@ def test_chat_content_chunks_equal_the_dumped_models(model: ModelState, include_
         for index in range(2):
             [fast] = fmt.chunks(Delta(text, [1], None, index), gen, include_usage)
             assert fast == _built_chat(fmt, Delta(text, [1], None, index), include_usage)
-    assert fmt._templates and all(v is not False for v in fmt._templates.values())
+    assert fmt._templates and all(v != () for v in fmt._templates.values())
     # The finish chunk is built as before (content, then the empty delta with the reason).
     out = fmt.chunks(Delta("end", [1], "stop", 1), gen, include_usage)
     assert out[0] == _built_chat(fmt, Delta("end", [1], None, 1), include_usage)
