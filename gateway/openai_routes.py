@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
+import pydantic_core
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -178,6 +179,12 @@ async def _sse(
     yield "data: [DONE]\n\n"
 
 
+# A text whose JSON the rest of a chunk (id, model) will not contain; where it does, the
+# chunk is built per token as before.
+_PLACEHOLDER = "\x00superinfer-text\x00"
+_PLACEHOLDER_JSON = pydantic_core.to_json(_PLACEHOLDER).decode()
+
+
 def _event(chunk: str) -> str:
     return f"data: {chunk}\n\n"
 
@@ -218,6 +225,7 @@ class _Format:
         self.texts = TokenTexts(model.tokenizer)
         self.logprobs = body.top_logprobs_wanted() is not None
         self.n = body.num_choices
+        self._templates: dict[tuple[Any, ...], tuple[str, ...]] = {}  # () where none
 
     def opening(self, include_usage: bool, n: int) -> list[str]:
         return []
@@ -235,6 +243,20 @@ class _Format:
     def _dump(chunk: s.CompletionChunk | s.ChatCompletionChunk, include_usage: bool) -> str:
         # OpenAI sends "usage": null on every chunk only when usage was asked for.
         return chunk.model_dump_json(exclude=None if include_usage else {"usage"})
+
+    def _templated(self, key: tuple[Any, ...], text: str,
+                   build: Callable[[str], s.CompletionChunk | s.ChatCompletionChunk],
+                   include_usage: bool) -> str:
+        """``_dump(build(text), include_usage)``, byte for byte, without building the
+        models per token: the chunk is dumped once per ``key`` with a placeholder text,
+        and later chunks splice the text's JSON (pydantic's own string encoder) into it."""
+        parts = self._templates.get(key)
+        if parts is None:
+            pieces = self._dump(build(_PLACEHOLDER), include_usage).split(_PLACEHOLDER_JSON)
+            parts = self._templates[key] = tuple(pieces) if len(pieces) == 2 else ()
+        if not parts:  # the placeholder is not unique in the chunk: no template
+            return self._dump(build(text), include_usage)
+        return parts[0] + pydantic_core.to_json(text).decode() + parts[1]
 
 
 class _CompletionFormat(_Format):
@@ -276,6 +298,12 @@ class _CompletionFormat(_Format):
         if echo:
             text = self.prompt_text + text
         self._offsets[delta.index] = offset + len(text)
+        if not self.logprobs and not echo:  # the common case, per token
+            index, reason = delta.index, delta.finish_reason
+            return [self._templated(
+                ("text", index, reason, include_usage), text,
+                lambda x: self._chunk([s.CompletionChoice(index=index, text=x, finish_reason=reason)]),
+                include_usage)]
         choice = s.CompletionChoice(
             index=delta.index, text=text, finish_reason=delta.finish_reason,
             logprobs=self._logprobs(gen, delta.token_ids, delta.logprobs, offset, echo),
@@ -343,7 +371,13 @@ class _ChatFormat(_Format):
             if stream is None:
                 stream = self._streams[delta.index] = tools.ContentStream(self.tools)
             text = stream.feed(text)
-        if text or (self.logprobs and delta.logprobs):
+        if text and not self.logprobs:  # the common case, per token
+            index = delta.index
+            out.append(self._templated(
+                ("content", index, include_usage), text,
+                lambda x: self._chunk([s.ChatChunkChoice(index=index, delta=s.ChatDelta(content=x))]),
+                include_usage))
+        elif text or (self.logprobs and delta.logprobs):
             choice = s.ChatChunkChoice(index=delta.index, delta=s.ChatDelta(content=text),
                                        logprobs=self._logprobs(delta.logprobs))
             out.append(self._dump(self._chunk([choice]), include_usage))
