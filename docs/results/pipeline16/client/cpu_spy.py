@@ -1,5 +1,5 @@
-"""CPU seconds per process while the stack serves bench overhead's workload (32 greedy
-streams x 64 tokens), two runs with the client named by CLIENT (lean or httpx); with a
+"""CPU seconds per process (and each one's kernel share, NAME_sys) while the stack serves
+bench overhead's workload (32 greedy streams x 64 tokens), two runs with the client named by CLIENT (lean or httpx); with a
 second argument, py-spy samples the gateway, scheduler, worker and this client during two
 more runs into OUT_DIR/NAME.txt (raw format). Run from the checkout under test:
 `CLIENT=lean flock /work/bench.lock .venv/bin/python THIS OUT_DIR [spy]`.
@@ -31,6 +31,7 @@ me = psutil.Process()
 
 def cpu() -> dict[str, float]:
     d = {n: sum(p.cpu_times()[:2]) for n, p in procs.items()}
+    d.update({n + "_sys": p.cpu_times()[1] for n, p in procs.items()})  # kernel time alone
     d["client"] = sum(me.cpu_times()[:2])
     return d
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# /tmp/m16/base: `git archive` of main b125476; /tmp/m16/branch: of this branch (3b8ec03).
+# /tmp/m16/base: `git archive` of main b125476; /tmp/m16/branch: of this branch (3b8ec03);
+# /tmp/m16/cpu_spy.py: a copy of ../client/cpu_spy.py.
 # Run as `flock /work/bench.lock THIS ROUND...`; results in /tmp/m16/res (copied to res/).
 # under flock: CPU per process (2 x 2 runs per side, interleaved), then bench overhead rounds
 set -u
@@ -9,7 +10,7 @@ export PYTHONDONTWRITEBYTECODE=1
 for i in 1 2; do
   for side in base branch; do
     echo "== $(date -u +%T) cpu $side $i" >&2
-    (cd /tmp/m16/$side && CLIENT=lean PYTHONPATH=/tmp/m16/$side $PY /tmp/m16/cpu_split.py $OUT/cpu-$side-$i) > $OUT/cpu-$side-$i.txt 2>&1
+    (cd /tmp/m16/$side && CLIENT=lean PYTHONPATH=/tmp/m16/$side $PY /tmp/m16/cpu_spy.py $OUT/cpu-$side-$i) > $OUT/cpu-$side-$i.txt 2>&1
   done
 done
 for round in "$@"; do
