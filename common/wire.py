@@ -61,7 +61,8 @@ def chunk_from_proto(m: worker_pb2.Chunk) -> ScheduledChunk:
         frequency_penalty=m.frequency_penalty,
         repetition_penalty=m.repetition_penalty,
         logprobs=m.logprobs if m.HasField("logprobs") else -1,
-        prompt_logprob_targets=list(m.prompt_logprob_targets),
+        # () when empty, the contract's default (no list per chunk)
+        prompt_logprob_targets=list(m.prompt_logprob_targets) if m.prompt_logprob_targets else (),
         stateful=m.stateful,
         state=state_from_proto(m.state) if m.HasField("state") else None,
     )
