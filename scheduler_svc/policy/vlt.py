@@ -70,13 +70,10 @@ def deadline(req: Request, gap_s: float | None = None) -> float:
     on: its TTFT deadline (no token yet); for a started request its due time, pushed back
     by the lag it can still win back when served from then on at `gap_s` per token within
     its remaining tokens (`catch_up_limit`; None: unknown, nothing is won back)."""
-    first = req.first_token_time
-    if first is None:
-        return req.arrival_time + req.slo.ttft_s
-    k, tbt = tokens_out(req), req.slo.tbt_s
-    due = first + k * tbt
-    if gap_s is None:
+    due = due_time(req)
+    if req.first_token_time is None or gap_s is None:
         return due
+    k, tbt = tokens_out(req), req.slo.tbt_s
     extra = catch_up_limit(req.sampling.max_tokens - k, tbt, gap_s)
     return due + extra if extra > 0.0 else due
 
