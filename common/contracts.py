@@ -39,10 +39,16 @@ class TransferPlan:
         return (len(self.swap_out) + len(self.swap_in) + len(self.eager)
                 + len(self.late_swap_in))
 
+    def before_batch(self) -> TransferPlan:
+        """The copies the plan's own batch waits for: swap-ins into free blocks (the batch
+        in flight does not touch them; the next one reads them)."""
+        return TransferPlan(self.fence, swap_in=self.swap_in)
+
     def beside_batch(self) -> TransferPlan:
-        """The copies that may run while the batch in flight executes: swap-ins into free
-        blocks, eager copies of settled blocks."""
-        return TransferPlan(self.fence, swap_in=self.swap_in, eager=self.eager)
+        """The copies nothing waits for until the next plan: eager copies of settled
+        blocks (no batch writes them again, and their host copies are used only by later
+        plans)."""
+        return TransferPlan(self.fence, eager=self.eager)
 
     def after_batch(self) -> TransferPlan:
         """The copies that must wait for the batch in flight: rotate-outs (it writes their

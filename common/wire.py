@@ -130,7 +130,8 @@ def _pairs(pairs: list[tuple[int, int]]) -> kvmem_pb2.BlockPairs:
 def plan_to_proto(plan: TransferPlan, pool_id: str) -> kvmem_pb2.TransferRequest:
     """swap_out/eager pairs are (device, host), swap_in pairs (host, device): src first.
     Late swap-ins travel as swap-ins: a plan on the wire runs whole (the pipelined step
-    sends its halves as two plans, `TransferPlan.beside_batch` / `after_batch`)."""
+    sends its parts as separate plans, `TransferPlan.before_batch` / `beside_batch` /
+    `after_batch`)."""
     return kvmem_pb2.TransferRequest(
         fence=plan.fence,
         pool_id=pool_id,

@@ -12,14 +12,15 @@ Two shapes of the step (`pipeline`):
   its output. The worker idles while the scheduler plans and kvmem copies.
 * pipelined (the default; DuplexKV's cross-iteration pipeline, DESIGN §5): while batch t
   runs, plan t+1 against the state t will leave (`scheduler.schedule()` counts t's chunks
-  as computed and its samples as placeholders), copy t+1's swap-ins into free blocks and
-  its eager copies, and send batch t+1 so that it queues behind t on the worker, which fills
-  each placeholder with its own sample from t (`worker/batches.py`). Then t's output lands.
-  Rotate-outs of t+1 (t writes their last block) and swap-ins into blocks t may still
-  read are copied after t; batch t+1 waits for them only when it reads such a swap-in,
-  which the scheduler avoids by starting the request they are for one batch later.
-  Those after-batch copies run beside batch t+1 and are awaited before planning t+2, so
-  planning never hands out a block a copy still touches.
+  as computed and its samples as placeholders), copy t+1's swap-ins into free blocks, and
+  send batch t+1 so that it queues behind t on the worker, which fills each placeholder
+  with its own sample from t (`worker/batches.py`). t+1's eager copies start then, in the
+  background: no batch waits for them. Then t's output lands. Rotate-outs of t+1 (t writes
+  their last block) and swap-ins into blocks t may still read are copied after t; batch
+  t+1 waits for them only when it reads such a swap-in, which the scheduler avoids by
+  starting the request they are for one batch later. The eager and after-batch copies run
+  beside batch t+1 and are awaited before planning t+2, so planning never hands out a
+  block a copy still touches.
 
 Fences (DESIGN §3) hold across the overlap: a plan's fence is released once all of its
 copies are done — or failed, in which case nothing copies any more and the caller's
@@ -32,8 +33,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from common.contracts import ExecuteResult, TransferPlan, TransferResult
 from scheduler_svc.interfaces import Executor, SchedulerOutput, TransferEngine
@@ -86,9 +88,15 @@ class _Batch:
 
 @dataclass(slots=True)
 class _Copies:
+    """A plan's copies in the background: its parts in the order sent (the transfer engine
+    runs them one after another), each with its task and start (scheduler clock)."""
+
     plan: TransferPlan
-    task: asyncio.Task[TransferResult]
-    started: float  # scheduler clock
+    jobs: list[tuple[TransferPlan, asyncio.Task[TransferResult], float]] = field(
+        default_factory=list)
+
+    def tasks(self) -> list[asyncio.Task[TransferResult]]:
+        return [task for _, task, _ in self.jobs]
 
 
 class EngineCore:
@@ -117,7 +125,7 @@ class EngineCore:
         self.pipeline = pipeline
         self.stats = EngineStats()
         self._batch: _Batch | None = None  # pipelined: the batch in flight
-        self._after: _Copies | None = None  # pipelined: after-batch copies in flight
+        self._after: _Copies | None = None  # pipelined: eager and after-batch copies in flight
         # Plans some of whose copies may not have happened: a step failed while they ran,
         # or before they could start. Recovery treats their writes as lost.
         self._unsure: list[TransferPlan] = []
@@ -196,30 +204,29 @@ class EngineCore:
         start = sched.clock()
         out = sched.schedule()
         plan = out.transfers
-        if plan is None:
-            return await self._pipelined_rest(out, start, None, None, None)
-        late = plan.after_batch()
-        try:
-            moved: TransferResult | None = None
-            span: tuple[float, float] | None = None
-            beside = plan.beside_batch()
-            if beside:
+        moved: TransferResult | None = None
+        span: tuple[float, float] | None = None
+        if plan is not None and plan.swap_in:
+            try:
                 t_start, t0 = sched.clock(), self.timer()
-                moved = await self._copy(beside)
+                moved = await self._copy(plan.before_batch())
                 span = (t_start, self._waited(t0))
-            if not late:
+            except BaseException:
+                self._unsure.append(plan)
                 sched.complete_transfer(plan.fence)
-        except BaseException:
-            self._unsure.append(plan)
-            sched.complete_transfer(plan.fence)
-            raise
-        return await self._pipelined_rest(out, start, late or None, moved, span)
+                raise
+        return await self._pipelined_rest(out, start, moved, span)
 
     async def _pipelined_rest(self, out: SchedulerOutput, start: float,
-                              late: TransferPlan | None, moved: TransferResult | None,
+                              moved: TransferResult | None,
                               span: tuple[float, float] | None) -> StepResult:
-        """Launch batch t+1, take batch t's output, start t+1's after-batch copies."""
+        """Launch batch t+1, start its eager copies, take batch t's output, start t+1's
+        after-batch copies."""
         sched = self.scheduler
+        plan = out.transfers
+        late = plan.after_batch() if plan is not None else None
+        if not late:
+            late = None
         prev = self._batch
         after = prev.out.iteration if prev is not None else 0
         # Batch t+1 queues behind t on the worker at once, unless it reads blocks that only
@@ -228,6 +235,14 @@ class EngineCore:
         busy = prev is not None and not prev.task.done()
         self._batch = (self._launch(out, after, busy) if out.chunks and not wait_for_copies
                        else None)
+        if plan is not None:
+            if plan.eager:
+                # Sent after the swap-ins and the batch: the transfer engine runs plans in
+                # order, so no batch waits behind these (DESIGN §5: eager copies are never
+                # on the critical path). The next plan waits for them (_finish_after).
+                self._start_copies(plan, plan.beside_batch())
+            elif late is None:
+                sched.complete_transfer(plan.fence)  # all of its copies are done
         result: ExecuteResult | None = None
         try:
             if prev is not None:
@@ -236,14 +251,13 @@ class EngineCore:
                 self._executed(result, self.timer() - prev.launched, self.timer() - t0)
                 self._land(prev.out, result)
         except BaseException:
-            if late is not None and out.transfers is not None:
-                # Its after-batch copies never start.
-                self._unsure.append(out.transfers)
-                sched.complete_transfer(out.transfers.fence)
+            if late is not None and self._after is None and plan is not None:
+                # Its after-batch copies never start (copies in flight: _stop_tasks).
+                self._unsure.append(plan)
+                sched.complete_transfer(plan.fence)
             raise
-        if late is not None and out.transfers is not None:
-            task = asyncio.create_task(self._copy(late))
-            self._after = _Copies(out.transfers, task, sched.clock())
+        if late is not None and plan is not None:
+            self._start_copies(plan, late)
             if wait_for_copies and out.chunks:
                 await self._finish_after()  # batch t+1 reads those blocks
                 self._batch = self._launch(out, after, False)
@@ -272,33 +286,40 @@ class EngineCore:
             self.stats.transfer_stall_s += stall
             self.scheduler.charge_transfer_stall(out, stall)
 
+    def _start_copies(self, plan: TransferPlan, part: TransferPlan) -> None:
+        """Copy `part` of `plan` in the background; the plan's fence is released once all
+        of its background parts are done (_finish_after)."""
+        if self._after is None:
+            self._after = _Copies(plan)
+        task = asyncio.create_task(self._copy(part))
+        self._after.jobs.append((part, task, self.scheduler.clock()))
+
     async def _finish_after(self) -> None:
         copies = self._after
         if copies is None:
             return
         t0 = self.timer()
         try:
-            moved = await copies.task
+            for part, task, started in copies.jobs:
+                moved = await task
+                if self.trace is not None:
+                    self._trace_copies(part, started, moved)
         except BaseException:
             self._unsure.append(copies.plan)
+            await _stop(copies.tasks())
             raise
         finally:
             self._after = None
             self.scheduler.complete_transfer(copies.plan.fence)
         self._waited(t0)
-        if self.trace is not None:
-            self._trace_copies(copies.plan.after_batch(), copies.started, moved)
 
     async def _stop_tasks(self) -> None:
         """A step failed: stop waiting for what this core started (the work itself may go
         on at a peer; recovery waits for the peers) and release the open fences."""
         batch, copies = self._batch, self._after
         self._batch = self._after = None
-        for job in (batch.task if batch else None, copies.task if copies else None):
-            if job is not None and not job.done():
-                job.cancel()
-            if job is not None:
-                await asyncio.gather(job, return_exceptions=True)
+        jobs: list[asyncio.Task[Any]] = [batch.task] if batch else []
+        await _stop(jobs + (copies.tasks() if copies else []))
         if copies is not None:
             self._unsure.append(copies.plan)
             self.scheduler.complete_transfer(copies.plan.fence)
@@ -364,6 +385,16 @@ class EngineCore:
     def _trace_copies(self, plan: TransferPlan, start: float, moved: TransferResult) -> None:
         assert self.trace is not None
         self.trace.copies(plan, start, moved.total_s, moved.d2h_s, moved.h2d_s)
+
+
+async def _stop(tasks: Sequence[asyncio.Task[Any]]) -> None:
+    """Cancel what is still running and wait for every task to end (errors swallowed: the
+    caller is already failing)."""
+    for task in tasks:
+        if not task.done():
+            task.cancel()
+    if tasks:
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _reads(out: SchedulerOutput, copies: list[tuple[int, int]]) -> bool:

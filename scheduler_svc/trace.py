@@ -135,11 +135,13 @@ class Trace:
 
     def copies(self, plan: TransferPlan, start: float, dur_s: float, d2h_s: float,
                h2d_s: float) -> None:
-        """Copies that ran beside a batch (the pipelined step's after-batch copies)."""
-        self.span("transfer D2H", "after-batch copies", start, dur_s, {"fence": plan.fence})
+        """Copies that ran beside a batch (the pipelined step's eager and after-batch
+        copies)."""
+        what = "after-batch copies" if plan.swap_out or plan.swap_in else "eager copies"
+        self.span("transfer D2H", what, start, dur_s, {"fence": plan.fence})
         if d2h_s > 0:
             self.span("transfer D2H", "D2H", start, d2h_s,
-                      {"swap_out_blocks": len(plan.swap_out)})
+                      {"swap_out_blocks": len(plan.swap_out), "eager_blocks": len(plan.eager)})
         if h2d_s > 0:
             self.span("transfer H2D", "H2D", start, h2d_s, {"swap_in_blocks": len(plan.swap_in)})
 

@@ -49,15 +49,24 @@ class _Interleaving:
     hold: a batch reads its KV only after the core's next copy has landed (or its next
     batch was sent, or 50 ms passed): the slowest batch a race can meet, every time. The
     tests that remove a fence rule use it, so that they catch the race whatever the
-    machine's timing (a fast batch thread would finish before the copy and hide it)."""
+    machine's timing (a fast batch thread would finish before the copy and hide it).
+
+    slow_eager: a plan of eager copies only takes EAGER_S before it copies. `log` records
+    batches as sent and eager copies as landed, in order; `fences` maps a plan's fence to
+    its iteration (filled by `_serve`)."""
 
     HOLD_S = 0.05
+    EAGER_S = 0.02
 
-    def __init__(self, store: KVStore, prompts: dict[str, list[int]], hold: bool = False) -> None:
+    def __init__(self, store: KVStore, prompts: dict[str, list[int]], hold: bool = False,
+                 slow_eager: bool = False) -> None:
         self.store = store
         self.checker = CheckingExecutor(store, prompts)
         self.batches = BatchRunner(self._held if hold else self.checker.execute)
         self.hold = hold
+        self.slow_eager = slow_eager
+        self.log: list[tuple[str, int]] = []
+        self.fences: dict[int, int] = {}
         self._gates: list[threading.Event] = []  # batches sent, still held
         self._queue: deque[threading.Event] = deque()  # one per batch, in batch order
 
@@ -77,11 +86,15 @@ class _Interleaving:
             gate = threading.Event()
             self._gates.append(gate)
             self._queue.append(gate)
+        self.log.append(("batch", iteration))
         return await self.batches.run(iteration, after, chunks)
 
     async def transfer(self, plan):  # noqa: ANN001, ANN201
-        await asyncio.sleep(0)
+        eager_only = plan.eager and not (plan.swap_in or plan.swap_out or plan.late_swap_in)
+        await asyncio.sleep(self.EAGER_S if self.slow_eager and eager_only else 0)
         self.store.transfer(plan)
+        if eager_only:
+            self.log.append(("eager", plan.fence))
         self._open_gates()
         return TransferResult()
 
@@ -90,25 +103,29 @@ def _serve(policy: str, prompts: list[list[int]], lens: list[int], device_blocks
            aborts: dict[int, int], pipeline: bool = True,
            limits: RotationLimits | None = None, caching: bool = False,
            host_blocks: int = 400, arrive: dict[int, int] | None = None,
-           hold: bool = False) -> tuple[dict[str, list[int]], Scheduler]:
+           hold: bool = False, lanes: _Interleaving | None = None,
+           ) -> tuple[dict[str, list[int]], Scheduler]:
     """Run every request through EngineCore.step(); abort request i at step aborts[i]
     (request i arrives at step arrive[i], default: at once). Returns what each request
-    produced and the scheduler (checked at every step)."""
+    produced and the scheduler (checked at every step). `lanes`: made here unless given
+    (its store and prompts must then be empty, sized like the scheduler's pools)."""
     sched = Scheduler(
         SchedulerConfig(num_device_blocks=device_blocks, num_host_blocks=host_blocks,
                         block_size=4, max_batched_tokens=24, eager_budget_blocks=4,
                         pipelined=pipeline, enable_prefix_caching=caching),
         make_policy(policy, limits=limits or RotationLimits()),
     )
-    store = KVStore(device_blocks, host_blocks, 4)
-    truth: dict[str, list[int]] = {}
-    lanes = _Interleaving(store, truth, hold)
+    if lanes is None:
+        lanes = _Interleaving(KVStore(device_blocks, host_blocks, 4), {}, hold)
+    truth = lanes.checker.prompts
     core = EngineCore(sched, lanes, lanes, pipeline=pipeline)
     plan = sched.schedule
 
     def schedule() -> SchedulerOutput:
         out = plan()
         assert_writes_private(sched, out)  # checked as planned, before anything lands
+        if out.transfers is not None:
+            lanes.fences[out.transfers.fence] = out.iteration
         return out
 
     sched.schedule = schedule  # type: ignore[method-assign]
@@ -222,6 +239,27 @@ def test_random_pipelined_workloads_with_prefix_caching_stay_exact(  # noqa: ANN
     _check(got, sched, prompts, lens, aborted, device_blocks)
 
 
+def test_eager_copies_run_beside_the_batches_never_before_them() -> None:
+    """DESIGN §5: eager copies are never on the critical path. With eager copies that take
+    20 ms, every batch whose plan has some is sent before they land, and the tokens stay
+    exact under rotation (the next plan waits for them). Sent with the swap-ins, as the
+    step once did them, each such batch would wait 20 ms for them."""
+    prompts = [[i, i + 1, i + 2, 3 * i, 5] for i in range(12)]
+    lens = [20 + (i % 5) for i in range(12)]
+    lanes = _Interleaving(KVStore(16, 400, 4), {}, slow_eager=True)
+    got, sched = _serve("lvf", prompts, lens, device_blocks=16, aborts={}, lanes=lanes)
+    _check(got, sched, prompts, lens, set(), 16)
+    assert sched.stats.rotations > 0 and sched.stats.freed_without_copy > 0
+    order = {event: i for i, event in enumerate(lanes.log)}
+    checked = 0
+    for what, fence in lanes.log:
+        batch = ("batch", lanes.fences.get(fence, 0))
+        if what == "eager" and batch in order:
+            assert order[batch] < order[("eager", fence)], f"batch of plan {fence} waited"
+            checked += 1
+    assert checked > 10
+
+
 def test_eager_copies_of_blocks_a_batch_still_writes_are_caught(monkeypatch) -> None:  # noqa: ANN001
     """The rule "eager copies only of settled blocks" is load-bearing: copying blocks by
     their optimistic count (the chunk in flight included) gives stale host copies, and the
@@ -242,13 +280,13 @@ def test_swap_ins_into_blocks_a_batch_may_read_wait_for_it(monkeypatch) -> None:
     still reads, and the checker sees it."""
     from common.contracts import TransferPlan
 
-    def beside_everything(self: TransferPlan) -> TransferPlan:
-        return TransferPlan(self.fence, swap_in=self.swap_in + self.late_swap_in, eager=self.eager)
+    def before_everything(self: TransferPlan) -> TransferPlan:
+        return TransferPlan(self.fence, swap_in=self.swap_in + self.late_swap_in)
 
     def after_only_swap_outs(self: TransferPlan) -> TransferPlan:
         return TransferPlan(self.fence, swap_out=self.swap_out)
 
-    monkeypatch.setattr(TransferPlan, "beside_batch", beside_everything)
+    monkeypatch.setattr(TransferPlan, "before_batch", before_everything)
     monkeypatch.setattr(TransferPlan, "after_batch", after_only_swap_outs)
     prompts = [[i, i + 1, i + 2, 3 * i, 5] for i in range(12)]
     lens = [20 + (i % 5) for i in range(12)]
