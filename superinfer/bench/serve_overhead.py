@@ -6,7 +6,10 @@ which talks gRPC to the scheduler, which drives the worker and kvmem; the in-pro
 runs the same scheduler and model in this process. The ratio of decode throughputs is
 the price of the process split, tokenization/detokenization and HTTP. Timings on a
 shared CPU are noisy: the two sides run in turn (served, in-process, served, …), each
-pair gives a ratio, and the median ratio of `--repeats` pairs is the result.
+pair gives a ratio, and the median ratio of `--repeats` pairs is the result. Each run also
+records the CPU seconds every process burned (the services, this process as the client;
+this process alone in-process): on a few cores, the served side's extra CPU is taken from
+the forward's threads.
 """
 
 from __future__ import annotations
@@ -19,13 +22,15 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from common.daemon import free_port
 from superinfer.bench.engine import PROMPTS
+from superinfer.bench.proc_cpu import CPUMeter
 from superinfer.bench.report import table, write_json
 from superinfer.bench.sse_client import stream_post
 from superinfer.probes import grpc_probe, http_probe
@@ -40,6 +45,7 @@ class Measure:
     wall_s: float  # first submit to last token
     mean_ttft_s: float
     decode_tok_s: float  # tokens after each request's first, over the all-decoding span
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds per process
 
     @property
     def total_tok_s(self) -> float:
@@ -174,10 +180,16 @@ class _Served:
             self.sup, self.url = _start_stack(Path(self.tmp.name), args.device_blocks,
                                               args.startup_timeout,
                                               scheduler_args=["--no-enable-prefix-caching"])
+        children = self.sup.children if self.sup is not None else []
+        self.cpu = CPUMeter({**{c.spec.name: c.proc.pid for c in children},
+                             "client": os.getpid()})
 
     def measure(self, prompts: list[str], new: int) -> Measure:
         assert self.url is not None
-        return asyncio.run(_served_once(self.url, prompts, new, self.args.client))
+        self.cpu.start()
+        m = asyncio.run(_served_once(self.url, prompts, new, self.args.client))
+        m.cpu_s = self.cpu.stop()
+        return m
 
     def close(self) -> None:
         if self.sup is not None:
@@ -201,12 +213,14 @@ class _InProcess:
             torch.set_num_threads(args.threads)
         self.engine = LLMEngine(EngineConfig(device_blocks=args.device_blocks, host_blocks=0,
                                              enable_prefix_caching=False))
+        self.cpu = CPUMeter({"in-process": os.getpid()})
 
     def measure(self, prompts: list[str], new: int) -> Measure:
         from scheduler_svc.request import SamplingParams
 
         engine = self.engine
         sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+        self.cpu.start()
         t0 = time.monotonic()
         rids = [engine.add_request(engine.encode_prompt(p), sp, arrival_time=t0)
                 for p in prompts]
@@ -221,10 +235,11 @@ class _InProcess:
         engine.scheduler.collect_finished()
         for rid in rids:
             engine.trackers.pop(rid, None)
+        cpu = self.cpu.stop()
         f = [first[r] for r in rids]
         n = [counts[r] for r in rids]
         return Measure("in-process LLMEngine", len(prompts), sum(n), end - t0,
-                       sum(x - t0 for x in f) / len(f), _decode_rate(n, f, end))
+                       sum(x - t0 for x in f) / len(f), _decode_rate(n, f, end), cpu)
 
     def close(self) -> None:
         self.engine.close()
@@ -261,11 +276,16 @@ def run(args: argparse.Namespace) -> int:
     print(f"medians of {args.repeats} runs per side")
     print(table(["path", "requests", "new tokens", "wall s", "mean TTFT s", "tok/s", "decode tok/s"],
                 rows))
+    cpu_rows = _cpu_rows(runs)
+    if cpu_rows:
+        print("CPU seconds per run (median per process) and per 1,000 new tokens")
+        print(table(["path", "process", "CPU s", "CPU s / 1k tokens"], cpu_rows))
     result: dict[str, object] = {
         "workload": {"requests": args.requests, "max_tokens": args.max_tokens,
                      "device_blocks": args.device_blocks, "greedy": True, "ignore_eos": True,
                      "threads": args.threads, "repeats": args.repeats, "client": args.client},
         "measures": [{**asdict(m), "total_tok_s": m.total_tok_s} for m in medians],
+        "cpu_s_median": {r[0] + "/" + r[1]: r[2] for r in cpu_rows},
         "runs": [[{**asdict(m), "total_tok_s": m.total_tok_s} for m in r] for r in runs],
     }
     if len(runs) == 2:
@@ -278,6 +298,20 @@ def run(args: argparse.Namespace) -> int:
                   f"(pairs: {', '.join(f'{r:.3f}' for r in ratios)})")
     write_json(args.json, result)
     return 0
+
+
+def _cpu_rows(runs: list[list[Measure]]) -> list[list[Any]]:
+    """Per side and process: the median CPU seconds of a run, and per 1,000 new tokens."""
+    rows: list[list[Any]] = []
+    for side in runs:
+        names = sorted({n for m in side for n in m.cpu_s})
+        for name in [*names, "all"] if len(names) > 1 else names:
+            per = [sum(m.cpu_s.values()) if name == "all" else m.cpu_s[name]
+                   for m in side if name == "all" or name in m.cpu_s]
+            tokens = statistics.median(m.new_tokens for m in side)
+            sec = statistics.median(per)
+            rows.append([side[0].path, name, sec, 1e3 * sec / tokens if tokens else 0.0])
+    return rows
 
 
 def _median_measure(runs: list[Measure]) -> Measure:
