@@ -54,7 +54,7 @@ another choice holds it.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from common.contracts import TransferPlan
@@ -189,6 +189,12 @@ class BlockManager:
         """A running request's device block table: the live list (not a copy), every entry
         a device block. Valid until the next block move; copy it to keep it."""
         return self._tables[request_id].device  # type: ignore[return-value]
+
+    @property
+    def tables(self) -> Mapping[str, BlockTable]:
+        """Every request's block table, to read only: the scheduler's per-iteration paths
+        look at the whole batch's tables without a call per request."""
+        return self._tables
 
     def table(self, req: Request) -> BlockTable:
         return self._tables.setdefault(req.request_id, BlockTable())

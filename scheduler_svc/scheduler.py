@@ -350,8 +350,10 @@ class Scheduler:
     def _schedule_running(self, order: list[Request], plan: _Plan) -> None:
         """Give running requests their tokens; preempt from the tail when blocks run out."""
         try_grow, running, tokens = self.bm.try_grow, RequestState.RUNNING, plan.tokens
+        tables, bs = self.bm.tables, self.config.block_size
         # Per running request per iteration: kept lean (it dominates the decision's cost):
-        # num_tokens inlined, the budget in a local (preemption changes plan.budget).
+        # num_tokens inlined, the budget in a local (preemption changes plan.budget), and
+        # try_grow's fast path (the tokens fit the blocks it holds: most decode steps).
         budget = plan.budget
         for i, req in enumerate(order):
             if req.state is not running:
@@ -359,15 +361,17 @@ class Scheduler:
             placeholders = req.num_placeholders
             if placeholders and req.finishes_when_outputs_land:
                 continue  # its last token is being sampled; nothing left to compute
-            n = (len(req.prompt_token_ids) + len(req.output_token_ids) + placeholders
-                 - req.num_computed_tokens)
+            computed = req.num_computed_tokens
+            n = len(req.prompt_token_ids) + len(req.output_token_ids) + placeholders - computed
             if n > budget:
                 n = budget
             if n <= 0:
                 if budget <= 0:
                     break
                 continue
-            if not try_grow(req, n):
+            rid = req.request_id
+            t = tables.get(rid)
+            if (t is None or computed + n > len(t.device) * bs) and not try_grow(req, n):
                 plan.budget = budget
                 while not try_grow(req, n):
                     victim = next((v for v in reversed(order[i + 1 :]) if v.state is running),
@@ -379,7 +383,7 @@ class Scheduler:
                 budget = plan.budget
                 if req.state is not running:
                     continue
-            tokens[req.request_id] = n
+            tokens[rid] = n
             budget -= n
         plan.budget = budget
 
@@ -652,7 +656,8 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         decode = 0
         epochs: dict[str, int] = {}
-        requests, table, new_chunk = self.requests, self.bm.device_table, ScheduledChunk
+        # bm.device_table inlined (a call per chunk less).
+        requests, tables, new_chunk = self.requests, self.bm.tables, ScheduledChunk
         add, bs = chunks.append, self.config.block_size
         for rid, n in plan.tokens.items():  # one per request in the batch: kept lean
             req = requests[rid]
@@ -676,9 +681,11 @@ class Scheduler:
             if n == 1 and sample and start >= p:
                 decode += 1
             s = req.sampling
-            # The live table (see ScheduledChunk); a running request holds every block.
-            chunk = new_chunk(rid, ids, start, table(rid), sample, s.temperature,
-                              s.top_p, s.top_k, s.seed, len(output) + placeholders)
+            # The live table (see ScheduledChunk); a running request holds every block
+            # (no None in it: check_integrity checks it).
+            chunk = new_chunk(rid, ids, start, tables[rid].device,  # type: ignore[arg-type]
+                              sample, s.temperature, s.top_p, s.top_k, s.seed,
+                              len(output) + placeholders)
             if req.chunk_extras:
                 self._sampling_fields(req, chunk, end)
             add(chunk)
