@@ -401,6 +401,7 @@ class Scheduler:
         # Preemption victims, lowest first: past their minimum residency (FCFS-like
         # iterations preempt nobody for a candidate).
         it, residency, running = self.iteration, limits.min_residency, RequestState.RUNNING
+        rotary_state = RequestState.ROTARY  # (an Enum member lookup is slow: a local)
         victims = [] if fcfs_mode else [
             r for r in reversed(order)
             if r.state is running and it - r.admitted_iteration > residency
@@ -409,24 +410,20 @@ class Scheduler:
         bs = self.config.block_size
         plan.reserve = 0 if fcfs_mode else policy.growth_reserve_blocks(len(self.running), bs)
         free_only = False
-        room_waiting = room_rotary = 0  # free blocks, while free_only
+        fits_waiting: int | None = None  # while free_only: see _free_fits
+        fits_rotary: int | None = None
         for q in queue:
             if q.fork_of is not None:
                 continue  # one of n choices, waiting for its leader's prompt blocks
             if free_only:
                 # Fast skip: once nobody may be preempted, walking on only looks for a
-                # candidate that fits the free blocks (often ~100 candidates deep).
-                if q.state is RequestState.ROTARY:
-                    if room_rotary <= 0:
-                        continue  # a rotary request holds KV: it needs a block at least
-                    room = room_rotary
-                else:
-                    room = room_waiting
-                c = q.num_computed_tokens
-                left = (len(q.prompt_token_ids) + len(q.output_token_ids) + q.num_placeholders
-                        - c)  # num_tokens - c, inlined
-                need = -(-(c + min(left, plan.budget)) // bs)
-                if need > room:
+                # candidate that fits the free blocks (often hundreds of candidates deep).
+                # It needs blocks_for(min(num_tokens, computed + budget)) > room blocks,
+                # i.e. both of those over room * block_size tokens (num_tokens inlined).
+                fits = fits_rotary if q.state is rotary_state else fits_waiting
+                if fits is None or (
+                        len(q.prompt_token_ids) + len(q.output_token_ids) + q.num_placeholders
+                        > fits and q.num_computed_tokens + plan.budget > fits):
                     continue
             if plan.budget <= 0:
                 break
@@ -466,8 +463,7 @@ class Scheduler:
                 if self._free_below_least(plan):
                     break
                 free_only = True
-                room_waiting = self._room(False, plan.reserve)
-                room_rotary = self._room(True, plan.reserve)
+                fits_waiting, fits_rotary = self._free_fits(plan)
                 continue
             for v in chosen:
                 self._preempt(v, plan)
@@ -502,8 +498,7 @@ class Scheduler:
             if free_only:
                 if self._free_below_least(plan):
                     break
-                room_waiting = self._room(False, plan.reserve)
-                room_rotary = self._room(True, plan.reserve)
+                fits_waiting, fits_rotary = self._free_fits(plan)
 
     def _count_prefix_hit(self, req: Request, hit: PrefixHit) -> None:
         """A waiting request was admitted onto a cached prefix (maybe empty): count it."""
@@ -532,6 +527,23 @@ class Scheduler:
         sizes = [n for n in (self.waiting.min_tokens(), self.rotary.min_tokens()) if n]
         # The least any candidate can need: its whole context, or a budget-sized chunk.
         return free < self.bm.blocks_for(min([*sizes, plan.budget]))
+
+    def _free_fits(self, plan: _Plan) -> tuple[int | None, int | None]:
+        """While nobody may be preempted: the tokens a waiting and a rotary candidate may
+        need at most to fit the free blocks (room · block_size); None where no request of
+        that queue fits, so that the walk passes them over (hundreds of rotary requests
+        each holding more KV than the few free blocks) without a look at each."""
+        bs, budget = self.config.block_size, plan.budget
+        out: list[int | None] = []
+        for queue, swap_in in ((self.waiting, False), (self.rotary, True)):
+            room = self._room(swap_in, plan.reserve)
+            fits, least = room * bs, queue.min_tokens()
+            # A rotary request holds KV: it needs a block at least. Any request needs more
+            # than `fits` where its num_tokens and computed + budget both exceed it.
+            none_fits = (swap_in and room <= 0) or (
+                least is not None and least > fits and budget > fits)
+            out.append(None if none_fits else fits)
+        return out[0], out[1]
 
     def _room(self, for_swap_in: bool, reserve: int = 0) -> int:
         # A swap-in's H2D copy may not target blocks that a D2H copy of this very iteration
