@@ -598,14 +598,17 @@ class Scheduler:
     def _count_releasable(self, victims: list[Request], plan: _Plan) -> None:
         """plan.releasable for the running ones of `victims`: each adds at most every device
         block of its own (of those, a swap-in may not use the ones a rotate-out copies)."""
-        bound, blocks_of = plan.victim_bound, self.bm.num_device_blocks_of
+        bound, tables = plan.victim_bound, self.bm.tables
         running = RequestState.RUNNING
-        for v in victims:
+        total = 0
+        for v in victims:  # up to the whole batch, once an iteration: kept lean
             if v.state is running:
-                n = blocks_of(v)
+                t = tables.get(v.request_id)  # bm.num_device_blocks_of, inlined
+                n = 0 if t is None else len(t.device) - t.device.count(None)
                 bound[v.request_id] = (n, n)
-                plan.releasable[0] += n
-                plan.releasable[1] += n
+                total += n
+        plan.releasable[0] += total
+        plan.releasable[1] += total
 
     def _victim_blocks(self, v: Request, plan: _Plan) -> tuple[int, int, int]:
         """A running request as a victim: (blocks a rotate-out copies, device blocks
@@ -613,8 +616,7 @@ class Scheduler:
         blocks = plan.victim_blocks.get(v.request_id)
         if blocks is None:
             bm, swaps = self.bm, self.policy.swaps_out(v)
-            out_cost = bm.swap_out_cost(v) if swaps else 0
-            held, busy = bm.released_by_preempting(v, swaps)
+            out_cost, held, busy = bm.preemption_blocks(v, swaps)
             # Without prefix caching no reference is added during admission, so a victim
             # that shares no block now releases the same blocks all iteration.
             stable = not bm.prefix_caching and held == bm.num_device_blocks_of(v)
@@ -641,9 +643,10 @@ class Scheduler:
         plan.preempted = True
         plan.displaced.add(victim.request_id)
         self.stats.preemptions += 1
-        if (self.policy.swaps_out(victim) and victim.num_computed_tokens > 0
-                and self.bm.can_swap_out(victim)):
-            copied, freed = self.bm.swap_out(victim)
+        moved = (self.bm.try_swap_out(victim)
+                 if self.policy.swaps_out(victim) and victim.num_computed_tokens > 0 else None)
+        if moved is not None:
+            copied, freed = moved
             plan.xfer_used += copied
             self.stats.rotations += 1
             self.stats.freed_without_copy += freed
