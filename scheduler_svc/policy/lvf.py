@@ -169,7 +169,9 @@ class LVFPolicy(Policy):
                         extra = (r.sampling.max_tokens - k) * win - tbt
                         if extra > 0.0:
                             dl = dl + extra
-                lag = (now - (dl - beta_f * k * tbt)) / slo.ttft_s  # lag_anchor
+                if beta_f:  # lag_anchor (with β_F = 0, the default, it is the deadline)
+                    dl = dl - beta_f * k * tbt
+                lag = (now - dl) / slo.ttft_s
                 v = alpha * lag if lag >= 0.0 else lag / alpha
             elif r.state is RequestState.RUNNING:  # prefilling
                 start = r.run_start_time if r.run_start_time is not None else now
