@@ -831,11 +831,16 @@ class BlockManager:
         plan = self._plan()
         n, bs, tables = 0, self.block_size, self._tables
         caching = self.prefix_caching
-        for req in running:
+        for req in running:  # every running request, every iteration: kept lean
             t = tables.get(req.request_id)
+            # Settled tokens are at most the computed ones: where even those fill no block
+            # past eager_next, nothing is newly synced (most requests, most iterations),
+            # and the property need not be asked.
+            if t is None or t.eager_next >= req.num_computed_tokens // bs:
+                continue
             synced = req.num_settled_tokens // bs  # no batch in flight writes these
-            if t is None or t.eager_next >= synced:
-                continue  # nothing newly synced (most requests, most iterations)
+            if t.eager_next >= synced:
+                continue
             synced = min(synced, len(t))
             hashes = self._block_hashes(req, synced) if caching else None
             for i in range(t.eager_next, synced):
