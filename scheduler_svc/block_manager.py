@@ -54,7 +54,7 @@ another choice holds it.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from common.contracts import TransferPlan
@@ -79,9 +79,12 @@ class BlockAllocator:
         return len(self._free)
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise MemoryError(f"asked for {n} blocks, {len(self._free)} free")
-        out = [self._free.pop() for _ in range(n)]
+        free = self._free
+        if n > len(free):
+            raise MemoryError(f"asked for {n} blocks, {len(free)} free")
+        keep = len(free) - n
+        out = free[keep:][::-1]  # pop()'s order, the last freed first, in one slice
+        del free[keep:]
         for b in out:
             self._is_free[b] = False
         return out
@@ -190,6 +193,12 @@ class BlockManager:
         a device block. Valid until the next block move; copy it to keep it."""
         return self._tables[request_id].device  # type: ignore[return-value]
 
+    @property
+    def tables(self) -> Mapping[str, BlockTable]:
+        """Every request's block table, to read only: the scheduler's per-iteration paths
+        look at the whole batch's tables without a call per request."""
+        return self._tables
+
     def table(self, req: Request) -> BlockTable:
         return self._tables.setdefault(req.request_id, BlockTable())
 
@@ -275,6 +284,7 @@ class BlockManager:
         if not busy and not filling and not self._executing:
             self.device.free(blocks)
             return
+        free: list[int] = []  # in order, freed at once (a call per block was most of it)
         for b in blocks:
             if b in busy or b in filling:
                 self._pending_device.setdefault(self._plan().fence, []).append(b)
@@ -282,7 +292,9 @@ class BlockManager:
                 self._held.setdefault(self._executing[-1], []).append(b)
                 self._num_held += 1
             else:
-                self.device.free([b])
+                free.append(b)
+        if free:
+            self.device.free(free)
 
     def _unref_device(self, blocks: list[int]) -> None:
         """Tables drop these references; a block no table references any more is parked
@@ -396,13 +408,22 @@ class BlockManager:
     @property
     def num_free_for_compute(self) -> int:
         """Free device blocks plus the compute-only and parked cached ones (see top)."""
-        return (self.device.num_free + len(self._opened()) + self._num_held
-                + self.dev_cache.num_parked)
+        # num_free, _opened() and num_parked inlined: admission asks this for candidate
+        # after candidate.
+        n = len(self.device._free) + self._num_held + len(self.dev_cache.parked)
+        if self._open is not None and self.same_iteration_reuse:
+            n += len(self._pending_device.get(self._open.fence, ()))
+        return n
 
     def _new_device(self, n: int) -> list[int]:
         """n device blocks for compute: free ones, this iteration's rotate-outs (serial
         step), compute-only ones (the worker writes them after the batch in flight), and
         last the least recently used cached ones (their names are forgotten)."""
+        if n <= len(self.device._free):  # the common case: free blocks are enough
+            new = self.device.allocate(n)
+            for b in new:
+                self._dev_ref[b] = 1
+            return new
         if n > self.num_free_for_compute:
             raise MemoryError(f"asked for {n} device blocks, {self.num_free_for_compute} free")
         new = self.device.allocate(min(n, self.device.num_free))
@@ -594,6 +615,8 @@ class BlockManager:
         """Release device blocks beyond the computed tokens (allocated but never written)."""
         t = self.table(req)
         keep = self.blocks_for(req.num_computed_tokens)
+        if keep >= len(t.device) and keep >= len(t.host):
+            return  # nothing beyond them (most rotate-outs): keep the table as it is
         extra_dev = [b for b in t.device[keep:] if b is not None]
         extra_host = [b for b in t.host[keep:] if b is not None]
         t.device = t.device[:keep]
@@ -640,13 +663,29 @@ class BlockManager:
         devs = t.device
         return freed, sum(1 for i in copy if (d := devs[i]) is not None and ref[d] == 1)
 
+    def preemption_blocks(self, req: Request, rotate: bool) -> tuple[int, int, int]:
+        """swap_out_cost (0 when not rotating) and released_by_preempting in one call, the
+        rotate-out's copies worked out once (the admission walk asks it of each victim)."""
+        if not rotate:
+            return (0, *self.released_by_preempting(req, False))
+        t = self._tables.get(req.request_id)
+        if t is None:
+            return 0, 0, 0
+        copy, _ = self._swap_out_needs(req)
+        ref, devs = self._dev_ref, t.device
+        freed = sum(1 for d in devs if d is not None and ref[d] == 1)
+        return len(copy), freed, sum(1 for i in copy if (d := devs[i]) is not None
+                                     and ref[d] == 1)
+
     def swap_in_cost(self, req: Request) -> int:
         """Blocks a swap-in copies: all of them, less those the device tier still caches."""
         t = self._tables.get(req.request_id)
         return 0 if t is None else len(t) - self._swap_in_reuse(req)[0]
 
     def can_swap_out(self, req: Request) -> bool:
-        copy, link = self._swap_out_needs(req)
+        return self._host_room_for(req, *self._swap_out_needs(req))
+
+    def _host_room_for(self, req: Request, copy: list[int], link: list[int]) -> bool:
         if not copy:
             return True
         # Linking a parked host copy takes it out of the blocks a copy may evict.
@@ -654,13 +693,28 @@ class BlockManager:
         linked = sum(1 for i in link if self._host_copy_of(req, i) in parked)
         return len(copy) <= self.num_free_host - linked
 
+    def try_swap_out(self, req: Request) -> tuple[int, int] | None:
+        """can_swap_out + swap_out in one call (None: no room in the host pool), for the
+        scheduler's preemptions."""
+        needs = self._swap_out_needs(req)
+        if not self._host_room_for(req, *needs):
+            return None
+        # Without prefix caching the copies depend only on which computed blocks lack a
+        # host copy, which trimming the blocks past them does not change; with it, they
+        # are worked out again after the trim, as swap_out does.
+        return self._swap_out(req, None if self.prefix_caching else needs)
+
     def swap_out(self, req: Request) -> tuple[int, int]:
         """Rotate out: (blocks copied D2H, blocks freed with no copy thanks to eager copies
         or a cached host copy). Blocks another request references stay where they are."""
+        return self._swap_out(req, None)
+
+    def _swap_out(self, req: Request,
+                  needs: tuple[list[int], list[int]] | None) -> tuple[int, int]:
         plan = self._plan()
         self._trim(req)
         t = self.table(req)
-        copy, link = self._swap_out_needs(req)
+        copy, link = self._swap_out_needs(req) if needs is None else needs
         for i in link:
             h = self._host_copy_of(req, i)
             self._ref_host(h)  # type: ignore[arg-type]
@@ -668,26 +722,31 @@ class BlockManager:
         synced = self.num_synced(req)
         pending = self._pending_device.setdefault(plan.fence, [])
         sole: list[int] = []
+        # Per block copied: kept lean (a rotate-out copies a dozen or more).
+        devs, hosts, ref, caching = t.device, t.host, self._dev_ref, self.prefix_caching
+        pairs, busy, written = plan.swap_out, self._open_busy, self._open_host_written
+        named = self.dev_cache.hash_of  # nothing below names a device block
         for i, h in zip(copy, self._new_host(len(copy)), strict=True):
-            d = t.device[i]
+            d = devs[i]
             assert d is not None
-            t.host[i] = h
-            plan.swap_out.append((d, h))
-            self._open_busy.add(d)
-            self._open_host_written.add(h)
-            if self.prefix_caching and i < synced:
+            hosts[i] = h
+            pairs.append((d, h))
+            busy.add(d)
+            written.add(h)
+            if caching and i < synced:
                 self.host_cache.name(h, self._block_hashes(req, i + 1)[i])
-            if self._dev_ref[d] == 1:
+            if ref[d] == 1:
                 # Reusable once the copy has read it; its device name goes (the host has it).
-                self.dev_cache.forget(d)
-                self._dev_ref[d] = 0
+                if named:
+                    self.dev_cache.forget(d)
+                ref[d] = 0
                 pending.append(d)
             else:
                 sole.append(d)  # others hold it: only this reference goes
         copied = set(copy)
-        rest = [d for i, d in enumerate(t.device) if d is not None and i not in copied]
+        rest = [d for i, d in enumerate(devs) if d is not None and i not in copied]
         self._unref_device(sole + rest)
-        t.device = [None] * len(t.device)
+        t.device = [None] * len(devs)
         return len(copy), len(rest)
 
     @property
@@ -772,11 +831,16 @@ class BlockManager:
         plan = self._plan()
         n, bs, tables = 0, self.block_size, self._tables
         caching = self.prefix_caching
-        for req in running:
+        for req in running:  # every running request, every iteration: kept lean
             t = tables.get(req.request_id)
+            # Settled tokens are at most the computed ones: where even those fill no block
+            # past eager_next, nothing is newly synced (most requests, most iterations),
+            # and the property need not be asked.
+            if t is None or t.eager_next >= req.num_computed_tokens // bs:
+                continue
             synced = req.num_settled_tokens // bs  # no batch in flight writes these
-            if t is None or t.eager_next >= synced:
-                continue  # nothing newly synced (most requests, most iterations)
+            if t.eager_next >= synced:
+                continue
             synced = min(synced, len(t))
             hashes = self._block_hashes(req, synced) if caching else None
             for i in range(t.eager_next, synced):

@@ -350,8 +350,10 @@ class Scheduler:
     def _schedule_running(self, order: list[Request], plan: _Plan) -> None:
         """Give running requests their tokens; preempt from the tail when blocks run out."""
         try_grow, running, tokens = self.bm.try_grow, RequestState.RUNNING, plan.tokens
+        tables, bs = self.bm.tables, self.config.block_size
         # Per running request per iteration: kept lean (it dominates the decision's cost):
-        # num_tokens inlined, the budget in a local (preemption changes plan.budget).
+        # num_tokens inlined, the budget in a local (preemption changes plan.budget), and
+        # try_grow's fast path (the tokens fit the blocks it holds: most decode steps).
         budget = plan.budget
         for i, req in enumerate(order):
             if req.state is not running:
@@ -359,15 +361,17 @@ class Scheduler:
             placeholders = req.num_placeholders
             if placeholders and req.finishes_when_outputs_land:
                 continue  # its last token is being sampled; nothing left to compute
-            n = (len(req.prompt_token_ids) + len(req.output_token_ids) + placeholders
-                 - req.num_computed_tokens)
+            computed = req.num_computed_tokens
+            n = len(req.prompt_token_ids) + len(req.output_token_ids) + placeholders - computed
             if n > budget:
                 n = budget
             if n <= 0:
                 if budget <= 0:
                     break
                 continue
-            if not try_grow(req, n):
+            rid = req.request_id
+            t = tables.get(rid)
+            if (t is None or computed + n > len(t.device) * bs) and not try_grow(req, n):
                 plan.budget = budget
                 while not try_grow(req, n):
                     victim = next((v for v in reversed(order[i + 1 :]) if v.state is running),
@@ -379,7 +383,7 @@ class Scheduler:
                 budget = plan.budget
                 if req.state is not running:
                     continue
-            tokens[req.request_id] = n
+            tokens[rid] = n
             budget -= n
         plan.budget = budget
 
@@ -397,6 +401,7 @@ class Scheduler:
         # Preemption victims, lowest first: past their minimum residency (FCFS-like
         # iterations preempt nobody for a candidate).
         it, residency, running = self.iteration, limits.min_residency, RequestState.RUNNING
+        rotary_state = RequestState.ROTARY  # (an Enum member lookup is slow: a local)
         victims = [] if fcfs_mode else [
             r for r in reversed(order)
             if r.state is running and it - r.admitted_iteration > residency
@@ -405,24 +410,20 @@ class Scheduler:
         bs = self.config.block_size
         plan.reserve = 0 if fcfs_mode else policy.growth_reserve_blocks(len(self.running), bs)
         free_only = False
-        room_waiting = room_rotary = 0  # free blocks, while free_only
+        fits_waiting: int | None = None  # while free_only: see _free_fits
+        fits_rotary: int | None = None
         for q in queue:
             if q.fork_of is not None:
                 continue  # one of n choices, waiting for its leader's prompt blocks
             if free_only:
                 # Fast skip: once nobody may be preempted, walking on only looks for a
-                # candidate that fits the free blocks (often ~100 candidates deep).
-                if q.state is RequestState.ROTARY:
-                    if room_rotary <= 0:
-                        continue  # a rotary request holds KV: it needs a block at least
-                    room = room_rotary
-                else:
-                    room = room_waiting
-                c = q.num_computed_tokens
-                left = (len(q.prompt_token_ids) + len(q.output_token_ids) + q.num_placeholders
-                        - c)  # num_tokens - c, inlined
-                need = -(-(c + min(left, plan.budget)) // bs)
-                if need > room:
+                # candidate that fits the free blocks (often hundreds of candidates deep).
+                # It needs blocks_for(min(num_tokens, computed + budget)) > room blocks,
+                # i.e. both of those over room * block_size tokens (num_tokens inlined).
+                fits = fits_rotary if q.state is rotary_state else fits_waiting
+                if fits is None or (
+                        len(q.prompt_token_ids) + len(q.output_token_ids) + q.num_placeholders
+                        > fits and q.num_computed_tokens + plan.budget > fits):
                     continue
             if plan.budget <= 0:
                 break
@@ -462,8 +463,7 @@ class Scheduler:
                 if self._free_below_least(plan):
                     break
                 free_only = True
-                room_waiting = self._room(False, plan.reserve)
-                room_rotary = self._room(True, plan.reserve)
+                fits_waiting, fits_rotary = self._free_fits(plan)
                 continue
             for v in chosen:
                 self._preempt(v, plan)
@@ -498,8 +498,7 @@ class Scheduler:
             if free_only:
                 if self._free_below_least(plan):
                     break
-                room_waiting = self._room(False, plan.reserve)
-                room_rotary = self._room(True, plan.reserve)
+                fits_waiting, fits_rotary = self._free_fits(plan)
 
     def _count_prefix_hit(self, req: Request, hit: PrefixHit) -> None:
         """A waiting request was admitted onto a cached prefix (maybe empty): count it."""
@@ -528,6 +527,23 @@ class Scheduler:
         sizes = [n for n in (self.waiting.min_tokens(), self.rotary.min_tokens()) if n]
         # The least any candidate can need: its whole context, or a budget-sized chunk.
         return free < self.bm.blocks_for(min([*sizes, plan.budget]))
+
+    def _free_fits(self, plan: _Plan) -> tuple[int | None, int | None]:
+        """While nobody may be preempted: the tokens a waiting and a rotary candidate may
+        need at most to fit the free blocks (room · block_size); None where no request of
+        that queue fits, so that the walk passes them over (hundreds of rotary requests
+        each holding more KV than the few free blocks) without a look at each."""
+        bs, budget = self.config.block_size, plan.budget
+        out: list[int | None] = []
+        for queue, swap_in in ((self.waiting, False), (self.rotary, True)):
+            room = self._room(swap_in, plan.reserve)
+            fits, least = room * bs, queue.min_tokens()
+            # A rotary request holds KV: it needs a block at least. Any request needs more
+            # than `fits` where its num_tokens and computed + budget both exceed it.
+            none_fits = (swap_in and room <= 0) or (
+                least is not None and least > fits and budget > fits)
+            out.append(None if none_fits else fits)
+        return out[0], out[1]
 
     def _room(self, for_swap_in: bool, reserve: int = 0) -> int:
         # A swap-in's H2D copy may not target blocks that a D2H copy of this very iteration
@@ -582,14 +598,17 @@ class Scheduler:
     def _count_releasable(self, victims: list[Request], plan: _Plan) -> None:
         """plan.releasable for the running ones of `victims`: each adds at most every device
         block of its own (of those, a swap-in may not use the ones a rotate-out copies)."""
-        bound, blocks_of = plan.victim_bound, self.bm.num_device_blocks_of
+        bound, tables = plan.victim_bound, self.bm.tables
         running = RequestState.RUNNING
-        for v in victims:
+        total = 0
+        for v in victims:  # up to the whole batch, once an iteration: kept lean
             if v.state is running:
-                n = blocks_of(v)
+                t = tables.get(v.request_id)  # bm.num_device_blocks_of, inlined
+                n = 0 if t is None else len(t.device) - t.device.count(None)
                 bound[v.request_id] = (n, n)
-                plan.releasable[0] += n
-                plan.releasable[1] += n
+                total += n
+        plan.releasable[0] += total
+        plan.releasable[1] += total
 
     def _victim_blocks(self, v: Request, plan: _Plan) -> tuple[int, int, int]:
         """A running request as a victim: (blocks a rotate-out copies, device blocks
@@ -597,8 +616,7 @@ class Scheduler:
         blocks = plan.victim_blocks.get(v.request_id)
         if blocks is None:
             bm, swaps = self.bm, self.policy.swaps_out(v)
-            out_cost = bm.swap_out_cost(v) if swaps else 0
-            held, busy = bm.released_by_preempting(v, swaps)
+            out_cost, held, busy = bm.preemption_blocks(v, swaps)
             # Without prefix caching no reference is added during admission, so a victim
             # that shares no block now releases the same blocks all iteration.
             stable = not bm.prefix_caching and held == bm.num_device_blocks_of(v)
@@ -625,9 +643,10 @@ class Scheduler:
         plan.preempted = True
         plan.displaced.add(victim.request_id)
         self.stats.preemptions += 1
-        if (self.policy.swaps_out(victim) and victim.num_computed_tokens > 0
-                and self.bm.can_swap_out(victim)):
-            copied, freed = self.bm.swap_out(victim)
+        moved = (self.bm.try_swap_out(victim)
+                 if self.policy.swaps_out(victim) and victim.num_computed_tokens > 0 else None)
+        if moved is not None:
+            copied, freed = moved
             plan.xfer_used += copied
             self.stats.rotations += 1
             self.stats.freed_without_copy += freed
@@ -652,7 +671,8 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         decode = 0
         epochs: dict[str, int] = {}
-        requests, table, new_chunk = self.requests, self.bm.device_table, ScheduledChunk
+        # bm.device_table inlined (a call per chunk less).
+        requests, tables, new_chunk = self.requests, self.bm.tables, ScheduledChunk
         add, bs = chunks.append, self.config.block_size
         for rid, n in plan.tokens.items():  # one per request in the batch: kept lean
             req = requests[rid]
@@ -676,9 +696,11 @@ class Scheduler:
             if n == 1 and sample and start >= p:
                 decode += 1
             s = req.sampling
-            # The live table (see ScheduledChunk); a running request holds every block.
-            chunk = new_chunk(rid, ids, start, table(rid), sample, s.temperature,
-                              s.top_p, s.top_k, s.seed, len(output) + placeholders)
+            # The live table (see ScheduledChunk); a running request holds every block
+            # (no None in it: check_integrity checks it).
+            chunk = new_chunk(rid, ids, start, tables[rid].device,  # type: ignore[arg-type]
+                              sample, s.temperature, s.top_p, s.top_k, s.seed,
+                              len(output) + placeholders)
             if req.chunk_extras:
                 self._sampling_fields(req, chunk, end)
             add(chunk)

@@ -3,6 +3,8 @@ manager consistent, and every block comes back to its pool."""
 
 from __future__ import annotations
 
+import copy
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -44,8 +46,16 @@ def test_random_sequences_keep_integrity_and_leak_nothing(
                 bm.allocate(r, n)
                 r.num_computed_tokens += n
         elif op == "rotate_out" and r.state is RequestState.RUNNING:
-            if bm.can_swap_out(r):
-                bm.swap_out(r)
+            # The scheduler's one-call forms equal the check/act pairs they stand for.
+            assert bm.preemption_blocks(r, True) == (
+                bm.swap_out_cost(r), *bm.released_by_preempting(r, True))
+            assert bm.preemption_blocks(r, False) == (0, *bm.released_by_preempting(r, False))
+            twin = copy.deepcopy(bm)
+            moved = twin.swap_out(r) if twin.can_swap_out(r) else None
+            assert bm.try_swap_out(r) == moved
+            assert (bm.tables, bm._open, bm.device._free) == (
+                twin.tables, twin._open, twin.device._free)
+            if moved is not None:
                 r.state = RequestState.ROTARY
             else:
                 bm.drop_to_recompute(r)

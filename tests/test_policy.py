@@ -432,6 +432,47 @@ def test_lvf_merge_key_is_the_vlt_definitions(params: VLTParams) -> None:
     assert len(seen) == 12  # every state, started or not, late and on time
 
 
+@pytest.mark.parametrize("params", [P, VLTParams(), VLTParams(alpha=0.7, beta_b=0.3, beta_f=0.2)])
+def test_lvf_running_order_is_the_vlt_definitions(params: VLTParams) -> None:
+    """LVF ranks the running requests with vlt()'s arithmetic inlined, once per iteration,
+    and may_preempt reuses those VLTs for its victims at the same time: the order is the
+    sort by running_merge_key, each VLT is vlt()'s bit for bit, and every answer is that of
+    a policy that ranked nobody."""
+    import random
+
+    rng = random.Random(5)
+    lvf, plain = make_policy("lvf", params), make_policy("lvf", params)
+    for trial in range(300):
+        gap = None if trial < 60 else rng.choice([0.01, 0.04, 0.09, 0.6])
+        lvf.gap_s = plain.gap_s = gap
+        now = round(rng.uniform(10.0, 100.0), 1)
+        running = []
+        for i in range(rng.randint(0, 40)):
+            slo = SLO(rng.choice([1.0, 5.0, 20.0]), rng.choice([0.05, 0.1, 0.5]))
+            arrival = round(rng.uniform(0.0, now), 1)  # coarse: ties happen
+            started = rng.random() < 0.7
+            r = req(f"o{trial}-{i}", arrival, RequestState.RUNNING, slo=slo,
+                    last_token=round(rng.uniform(arrival, now), 1) if started else None,
+                    run_start=rng.choice([None, round(rng.uniform(arrival, now), 1)]))
+            if started:
+                r.output_token_ids = [1] * rng.randint(1, 300)
+                r.num_placeholders = rng.randint(0, 1)
+                r.sampling = SamplingParams(max_tokens=rng.choice([50, 400, 4000]))
+            if rng.random() < 0.1:  # vlt()'s branch for a request with no token, not running
+                r.state = RequestState.WAITING
+            running.append(r)
+        order = lvf.running_order(running, now)
+        assert order == sorted(running, key=lambda r: lvf.running_merge_key(r, now))
+        at, ranked = lvf._ranked
+        assert at == now
+        assert all(ranked[r.request_id] == vlt(r, now, params, gap) for r in running)
+        candidates = [req(f"c{trial}-{j}", round(rng.uniform(0.0, now), 1)) for j in range(3)]
+        for when in (now, now + 0.5):  # at another time the ranking does not count
+            for v in running:
+                for c in candidates:
+                    assert lvf.may_preempt(v, c, when) == plain.may_preempt(v, c, when)
+
+
 def test_scheduler_merge_is_heapq_merge() -> None:
     """The scheduler's lazy merge (galloping through a run's lead) yields heapq.merge's
     order: by key, equal keys from the earlier run first."""

@@ -59,6 +59,11 @@ class LVFPolicy(Policy):
         # may_preempt is asked for one candidate against victim after victim: its side of
         # the comparison, for the last (candidate, time) asked.
         self._asked: tuple[Request | None, float, float | None] = (None, 0.0, None)
+        # The running requests' VLTs as `running_order` ranked them at a time (request_id
+        # -> VLT). The scheduler ranks them at the start of each schedule() and asks
+        # may_preempt about them within it, before any of their tokens change; asked at
+        # another time, may_preempt works the VLT out afresh.
+        self._ranked: tuple[float, dict[str, float]] = (0.0, {})
         # The time between tokens a request gets when served: a moving mean of the
         # executed batches' times (None until the first batch), and the value the
         # deadlines use, which follows it only when it moves by more than GAP_STEP (a
@@ -74,6 +79,7 @@ class LVFPolicy(Policy):
             return False
         self.gap_s = m
         self._asked = (None, 0.0, None)
+        self._ranked = (0.0, {})
         return True
 
     def is_late(self, req: Request, now: float) -> bool:
@@ -141,6 +147,43 @@ class LVFPolicy(Policy):
     def running_merge_key(self, req: Request, now: float) -> tuple[float, ...]:
         return (-vlt(req, now, self.params, self.gap_s), req.arrival_time)
 
+    def running_order(self, running: list[Request], now: float) -> list[Request]:
+        # sorted(running, key=running_merge_key), each VLT computed once with vlt()'s
+        # arithmetic inlined (this runs over the whole batch every iteration: the calls
+        # through deadline, due_time and tokens_out were most of the decision's cost), and
+        # kept for may_preempt, whose victims are these requests at this same `now`.
+        # tests/test_policy.py checks both against the definitions.
+        p, gap = self.params, self.gap_s
+        alpha, beta_f, beta_b = p.alpha, p.beta_f, p.beta_b
+        vlts: dict[str, float] = {}
+        keyed = []
+        for i, r in enumerate(running):
+            first, slo = r.first_token_time, r.slo
+            if first is not None:
+                k = len(r.output_token_ids) + r.num_placeholders  # tokens_out
+                tbt = slo.tbt_s
+                dl = first + k * tbt  # deadline: due_time, plus catch_up_limit
+                if gap is not None:
+                    win = tbt - gap
+                    if win > gap:
+                        extra = (r.sampling.max_tokens - k) * win - tbt
+                        if extra > 0.0:
+                            dl = dl + extra
+                if beta_f:  # lag_anchor (with β_F = 0, the default, it is the deadline)
+                    dl = dl - beta_f * k * tbt
+                lag = (now - dl) / slo.ttft_s
+                v = alpha * lag if lag >= 0.0 else lag / alpha
+            elif r.state is RequestState.RUNNING:  # prefilling
+                start = r.run_start_time if r.run_start_time is not None else now
+                v = -(now - start) / (alpha * slo.tbt_s)
+            else:
+                v = (now - r.arrival_time) / slo.ttft_s - (1.0 - beta_b)
+            vlts[r.request_id] = v
+            keyed.append((-v, r.arrival_time, i))  # i: ties keep sorted()'s stable order
+        keyed.sort()
+        self._ranked = (now, vlts)
+        return [running[e[2]] for e in keyed]
+
     def growth_reserve_blocks(self, num_running: int, block_size: int) -> int:
         # A free-block watermark, as the paper's code keeps: a block for every running
         # request, so that admission and swap-ins do not take the blocks the running ones
@@ -190,5 +233,8 @@ class LVFPolicy(Policy):
             self._asked = (candidate, now, bar)
         if bar is None:
             return False
-        v = vlt(victim, now, self.params, self.gap_s)
+        at, ranked = self._ranked
+        v = ranked.get(victim.request_id) if at == now else None
+        if v is None:
+            v = vlt(victim, now, self.params, self.gap_s)
         return v < 0.0 and v < bar
