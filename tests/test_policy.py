@@ -508,3 +508,28 @@ def test_lvf_refiles_its_queues_when_the_batch_time_moves() -> None:
     rotary.refile()
     lazy, plain = lazy_and_plain(7.0)
     assert lazy == plain
+
+
+def test_a_prompt_chunk_leaves_a_token_for_each_decode_behind_it() -> None:
+    """LVF orders a request that is still prefilling before decodes that lead their pace.
+    Its chunk may take the budget only down to one token per running request after it:
+    a decode left out of the batch misses its gap (docs/sim/issue18/README.md, 2026-12-02)."""
+    t = [0.0]
+    s = Scheduler(SchedulerConfig(num_device_blocks=16, num_host_blocks=64, block_size=4,
+                                  max_batched_tokens=8, eager_budget_blocks=0),
+                  make_policy("lvf", P), clock=lambda: t[0])
+    for i in range(4):
+        s.add_request(Request(f"d{i}", [7], SamplingParams(max_tokens=50), 0.0))
+    out = s.schedule()  # four one-token prompts: each samples its first token
+    s.update_from_output(out, _sampled(out))
+    s.add_request(Request("long", list(range(30)), SamplingParams(max_tokens=50), 0.0))
+    # A prompt that cannot fit beside them: memory binds, so LVF orders by VLT.
+    s.add_request(Request("huge", list(range(40)), SamplingParams(max_tokens=50), 0.0))
+    out = s.schedule()  # the decodes, then "long" admitted with what is left
+    s.update_from_output(out, _sampled(out))
+    assert not s.everything_fits() and s.requests["long"].num_computed_tokens == 4
+    lvf = s.policy
+    assert lvf.running_order(s.running.list(), t[0])[0].request_id == "long"
+    out = s.schedule()
+    tokens = {c.request_id: len(c.token_ids) for c in out.chunks}
+    assert tokens == {"long": 4, "d0": 1, "d1": 1, "d2": 1, "d3": 1}
