@@ -47,11 +47,12 @@ def test_vlt_formulas() -> None:
     run.first_token_time, run.output_token_ids = 8.9, [1] * 11  # due 10.0, anchor 9.45
     assert vlt(run, 9.0, P) == pytest.approx((9.0 - 9.45) / 5.0 / 3.0)
     # Served at 20 ms per token, its 89 tokens to go win back 89 × 0.08 − 0.1 s: its
-    # deadline moves that far, and its VLT with it (at 60 ms a second of lag would cost
-    # 1.5 s of a seat: nothing is won back).
+    # deadline moves that far, and its VLT with it. At 60 ms a second of lag costs 1.5 s
+    # of a seat: 1/1.5 of the 89 × 0.04 − 0.1 s counts. At S_F or slower, nothing.
     assert deadline(run, 0.02) == pytest.approx(10.0 + 89 * 0.08 - 0.1)
     assert vlt(run, 9.0, P, 0.02) == pytest.approx((9.0 - (17.02 - 0.55)) / 5.0 / 3.0)
-    assert deadline(run, 0.06) == deadline(run) == pytest.approx(10.0)
+    assert deadline(run, 0.06) == pytest.approx(10.0 + (89 * 0.04 - 0.1) / 1.5)
+    assert deadline(run, 0.1) == deadline(run) == pytest.approx(10.0)
     # One still prefilling its prompt leads by how long it has run.
     pre = req("y", 0.0, RequestState.RUNNING, run_start=9.0)
     assert vlt(pre, now, P) == pytest.approx(-1.0 / (3.0 * 0.1))
@@ -76,15 +77,16 @@ def test_lvf_serves_on_time_requests_by_vlt_then_late_ones_oldest_first() -> Non
 
 def test_a_parked_request_behind_its_pace_is_late_only_when_it_cannot_catch_up() -> None:
     """Behind its pace by 2 s with 90 of its 100 tokens to go (S_F 100 ms): at 20 ms per
-    token it catches up (it may be 90 × 0.08 − 0.1 = 7.1 s behind). At 60 ms it could too,
-    but a second of lag would cost 1.5 s of a seat: late at once."""
+    token it catches up (it may be 90 × 0.08 − 0.1 = 7.1 s behind). At 60 ms it could win
+    back 3.5 s, of which 1/1.5 counts (a second of lag costs 1.5 s of a seat): 2.33 s, on
+    time. At 90 ms, 0.8 s of which 1/9 counts: late."""
     now = 10.0
     parked = req("p", 0.0, RequestState.ROTARY, last_token=7.0)
     parked.output_token_ids = [1] * 10  # first token at 7.0: due at 8.0, behind by 2 s
     fresh = req("fresh", arrival=9.9)
     victim = req("v", 0.0, RequestState.RUNNING, run_start=1.0)  # prefilling for 9 s
-    assert is_late(parked, now) and is_late(parked, now, gap_s=0.06)
-    assert not is_late(parked, now, gap_s=0.02)
+    assert is_late(parked, now) and is_late(parked, now, gap_s=0.09)
+    assert not is_late(parked, now, gap_s=0.02) and not is_late(parked, now, gap_s=0.06)
     lvf = make_policy("lvf", P)
     assert [r.request_id for r in lvf.candidates([fresh], [parked], now)] == ["fresh", "p"]
     assert not lvf.may_preempt(victim, parked, now)
@@ -549,3 +551,28 @@ def test_lvf_refiles_its_queues_when_the_batch_time_moves() -> None:
     rotary.refile()
     lazy, plain = lazy_and_plain(7.0)
     assert lazy == plain
+
+
+def test_a_prompt_chunk_leaves_a_token_for_each_decode_behind_it() -> None:
+    """LVF orders a request that is still prefilling before decodes that lead their pace.
+    Its chunk may take the budget only down to one token per running request after it:
+    a decode left out of the batch misses its gap (docs/sim/issue18/README.md, 2026-12-02)."""
+    t = [0.0]
+    s = Scheduler(SchedulerConfig(num_device_blocks=16, num_host_blocks=64, block_size=4,
+                                  max_batched_tokens=8, eager_budget_blocks=0),
+                  make_policy("lvf", P), clock=lambda: t[0])
+    for i in range(4):
+        s.add_request(Request(f"d{i}", [7], SamplingParams(max_tokens=50), 0.0))
+    out = s.schedule()  # four one-token prompts: each samples its first token
+    s.update_from_output(out, _sampled(out))
+    s.add_request(Request("long", list(range(30)), SamplingParams(max_tokens=50), 0.0))
+    # A prompt that cannot fit beside them: memory binds, so LVF orders by VLT.
+    s.add_request(Request("huge", list(range(40)), SamplingParams(max_tokens=50), 0.0))
+    out = s.schedule()  # the decodes, then "long" admitted with what is left
+    s.update_from_output(out, _sampled(out))
+    assert not s.everything_fits() and s.requests["long"].num_computed_tokens == 4
+    lvf = s.policy
+    assert lvf.running_order(s.running.list(), t[0])[0].request_id == "long"
+    out = s.schedule()
+    tokens = {c.request_id: len(c.token_ids) for c in out.chunks}
+    assert tokens == {"long": 4, "d0": 1, "d1": 1, "d2": 1, "d3": 1}

@@ -165,8 +165,10 @@ class LVFPolicy(Policy):
                 dl = first + k * tbt  # deadline: due_time, plus catch_up_limit
                 if gap is not None:
                     win = tbt - gap
-                    if win > gap:
+                    if win > 0.0:
                         extra = (r.sampling.max_tokens - k) * win - tbt
+                        if win < gap:  # only the exchange rate's share counts
+                            extra = extra * win / gap
                         if extra > 0.0:
                             dl = dl + extra
                 if beta_f:  # lag_anchor (with β_F = 0, the default, it is the deadline)

@@ -12,12 +12,13 @@ and its TPOT (its mean gap, the per-request TBT that vLLM's goodput counts) stil
 With k tokens out, its (k+1)-th is due at `first_token + k·S_F` (its pace); a request that
 ran with iterations shorter than S_F has banked the difference. Served from then on at the
 measured time between tokens τ, it also wins back S_F − τ per remaining token, so D is
-its due time plus that (`catch_up_limit`; max_tokens bounds the remaining tokens). A
+its due time plus that (`catch_up_limit`; max_tokens bounds the remaining tokens), or
+a share of it where τ > S_F/2 (catching up then costs more seat time than it wins). A
 request past D is late (`is_late`): it can no longer make its TPOT. Where iterations are
 much shorter than S_F (the CPU stack: 20 ms against 300) D lies seconds past the due
-time; where they take half of S_F or more (a GPU under overload) nothing is won back and
-D is the due time. While a request runs, each token moves D by τ (catch-up) or S_F
-(pace) as time moves by τ: its lead holds or grows; parked, it shrinks second for second.
+time; as they near S_F (a GPU under overload) D nears the due time. While a request
+runs, each token moves D by τ (catch-up) or S_F (pace) as time moves by τ: its lead
+holds or grows; parked, it shrinks second for second.
 So running and parked requests, and new ones, compare by the same slack: victims are the
 requests furthest ahead of their deadlines (measured: LVF ranked running requests by time
 since admission instead and rotated a request out after a batch or two however far
@@ -91,16 +92,21 @@ def catch_up_limit(remaining: int, tbt_s: float, gap_s: float) -> float:
     `remaining` tokens to go, served from now at `gap_s` per token (module doc).
 
     Its tokens then end at now + remaining·gap_s, and its mean gap is within S_F if that is
-    no later than first + (k + remaining - 1)·S_F: it may be remaining·(S_F - gap_s) - S_F
-    behind. Winning back a second of lag takes gap_s/(S_F - gap_s) seconds of a seat; where
-    that is more than a second (iterations over half the TBT SLO, a GPU under overload),
-    the seat is worth more to a new request and a request behind its pace is late at once
-    (measured in the simulator: counting such requests on time cost gh200's artifact run
-    20 points of TTFT attainment at 20 req/s for 6 of TPOT, docs/sim/issue18)."""
+    no later than first + (k + remaining - 1)·S_F: it could be remaining·(S_F - gap_s) - S_F
+    behind. But winning back a second of lag takes gap_s/(S_F - gap_s) seconds of a seat;
+    where that is more than a second (iterations over half the TBT SLO, a GPU under
+    overload) the seat is worth more to others, so only that exchange rate's share of the
+    lag counts as recoverable: all of it at gap_s ≤ S_F/2, none as gap_s nears S_F.
+    Measured in the simulator (docs/sim/issue18/README.md, 2026-12-02), TTFT / TPOT %:
+    counting none of it above S_F/2 (the rule until then) made requests late en masse
+    whenever the batch time crossed S_F/2 (gh200-96gb at 20 req/s: 100 / 81.1; Mixtral at
+    60: 83.1 / 64.5); counting all of it made Llama-3-8B at 100 req/s (gap_s ≈ 0.9·S_F)
+    fall from 81.4 / 65.2 to 71.0 / 54.8. The share: 100 / 83.6, 98.3 / 79.3, 95.6 / 76.6."""
     win = tbt_s - gap_s
-    if win <= gap_s:
+    if win <= 0.0:
         return 0.0
-    return remaining * win - tbt_s
+    limit = remaining * win - tbt_s
+    return limit if win >= gap_s else limit * win / gap_s
 
 
 def vlt(req: Request, now: float, p: VLTParams, gap_s: float | None = None) -> float:
