@@ -187,7 +187,10 @@ def test_best_of_returns_the_likeliest_choices(stack: Stack) -> None:
     everyone = stack.client().completions.create(model=stack.model, prompt=PROMPT, max_tokens=6,
                                                  temperature=1.0, seed=3, n=5, logprobs=0)
     all_sums = sorted((sum(c.logprobs.token_logprobs) for c in everyone.choices), reverse=True)
-    assert sums == pytest.approx(all_sums[:2], abs=1e-6)
+    # The two calls' batches need not match (the prefix cache may hold the prompt for the
+    # second, so its first step has other matmul shapes): the same samples, the same
+    # logprobs within LOGPROB_TOL, not bit for bit.
+    assert sums == pytest.approx(all_sums[:2], abs=LOGPROB_TOL)
 
 
 # -- penalties and logit_bias -------------------------------------------------------------
