@@ -167,20 +167,49 @@ def test_n4_seeded_choices_distinct_reproducible_and_sharing_blocks(base: LLMEng
     assert eng.stats()["device_blocks_free"] == 128
 
 
+TAIL_LOGPROB = math.log(1e-4)
+LOGPROB_TOL = 1e-3  # the two pools batch differently: other matmul shapes, other rounding
+
+
+def _same_streams_but_tail_flips(got: list[GenerationResult],
+                                 want: list[GenerationResult]) -> int:
+    """Every choice's tokens equal the reference's, and so do their logprobs (within
+    rounding), up to where a draw lands in the vocabulary's tail: a token of probability
+    < 1e-4 has a CDF slot a few float32 ulps wide, and another batch shape's rounding (logits
+    off by ~1e-5) can pick its neighbour there. Seen: seed 99 picked token 7793 or 7795, each
+    of probability ~4e-7, by the schedule. A block lost or mixed up in a rotation changes
+    logprobs by whole units, and its first wrong token is no tail draw. Returns how many
+    tokens were compared."""
+    compared = 0
+    for g, w in zip(got, want, strict=True):
+        n = next((i for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)) if a != b),
+                 min(len(g.token_ids), len(w.token_ids)))
+        assert [x.logprob for x in g.logprobs[:n]] == pytest.approx(
+            [x.logprob for x in w.logprobs[:n]], abs=LOGPROB_TOL)
+        if n < len(w.token_ids):
+            flip = (g.logprobs[n].logprob, w.logprobs[n].logprob)
+            assert max(flip) < TAIL_LOGPROB, (n, g.token_ids[n], w.token_ids[n], flip)
+        else:
+            assert len(g.token_ids) == len(w.token_ids)
+        compared += n
+    return compared
+
+
 @pytest.mark.parametrize(("policy", "caching"), [("lvf", True), ("fcfs", True), ("lvf", False)])
 def test_n4_shared_blocks_survive_rotation_and_recompute(base: LLMEngine, policy: str,
                                                          caching: bool) -> None:
     """A pool too small for the four choices: shared blocks are rotated out (or dropped for
     a recompute) and back; every choice's tokens equal the roomy pool's, no block leaks."""
     prompt = base.encode_prompt(ECHO_TEXT * 2)
-    sp = SamplingParams(max_tokens=40, temperature=1.0, seed=99, ignore_eos=True)
+    sp = SamplingParams(max_tokens=40, temperature=1.0, seed=99, ignore_eos=True, logprobs=0)
     roomy = LLMEngine(EngineConfig(device_blocks=128, host_blocks=0), reuse=base)
-    want = [r.token_ids for r in roomy.run_to_completion(roomy.add_choices(prompt, sp, 4))]
+    want = roomy.run_to_completion(roomy.add_choices(prompt, sp, 4))
     tight = LLMEngine(EngineConfig(device_blocks=16, host_blocks=256, policy=policy,
                                    ttft_slo=0.5, tbt_slo=0.05, enable_prefix_caching=caching),
                       reuse=base)
-    got = [r.token_ids for r in tight.run_to_completion(tight.add_choices(prompt, sp, 4))]
-    assert got == want
+    got = tight.run_to_completion(tight.add_choices(prompt, sp, 4))
+    same = _same_streams_but_tail_flips(got, want)
+    assert same >= 0.75 * 4 * sp.max_tokens, same  # the flips are rare: the streams compared
     st = tight.stats()
     assert st["preemptions"] > 0
     tight.scheduler.check_integrity()
