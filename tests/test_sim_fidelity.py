@@ -33,7 +33,9 @@ def bench_spec(config: dict[str, object], rps: float) -> object:
     bench_cli.add_arguments(p)
     args = p.parse_args([
         "--base-url", "http://127.0.0.1:1/v1", "--sweep-rps", str(rps),
-        "--duration", str(config["duration"]), "--dataset", str(config["dataset"]),
+        *(["--duration", str(config["duration"])] if config.get("num_prompts") is None
+          else ["--num-prompts", str(config["num_prompts"])]),
+        "--dataset", str(config["dataset"]),
         "--max-prompt-len", str(config["max_prompt_len"]),
         "--max-output-len", str(config["max_output_len"]),
         "--length-scale", str(config["length_scale"]), "--seed", str(config["seed"]),
@@ -41,15 +43,29 @@ def bench_spec(config: dict[str, object], rps: float) -> object:
     return bench_cli._spec(args, rps)
 
 
-@pytest.mark.parametrize("rps", [0.3, 0.5, 0.9])
-def test_sim_replays_the_benchs_trace(rps: float) -> None:
-    config = json.loads(TRIAL.read_text())["config"] | {"duration": 40.0, "seed": 3}
+@pytest.mark.parametrize(("rps", "num_prompts"), [(0.3, None), (0.5, None), (0.9, None),
+                                                 (0.546, 60)])
+def test_sim_replays_the_benchs_trace(rps: float, num_prompts: int | None) -> None:
+    # --num-prompts (as issue #18's sweeps ran) sends exactly that many, duration ignored:
+    # the replay once took the duration and simulated 13 requests of 60.
+    config = json.loads(TRIAL.read_text())["config"] | {"duration": 40.0, "seed": 3,
+                                                        "num_prompts": num_prompts}
     spec, trace = fidelity.trace_for(config, rps)
     assert spec == bench_spec(config, rps)
     bench = build_trace(bench_spec(config, rps))  # type: ignore[arg-type]
     assert [(r.arrival_s, r.prompt_len, r.output_len) for r in trace] == [
         (r.arrival_s, r.prompt_len, r.output_len) for r in bench]
     assert len(trace) > 5
+    if num_prompts is not None:
+        assert len(trace) == num_prompts
+
+
+def test_a_pipelined_runs_batch_is_the_workers_time_not_the_queued_rpcs() -> None:
+    # Pipelined, each Execute waits in the worker behind the batch before it: its wall
+    # time (here 196 s over 1,000 batches) is about two batches, the worker's own 98 s one.
+    assert fidelity.real_batch_s(98.0, 196.0, 1000, pipelined=True) == pytest.approx(0.098)
+    assert fidelity.real_batch_s(98.0, 196.0, 1000, pipelined=False) == pytest.approx(0.196)
+    assert fidelity.real_batch_s(98.0, 196.0, 0, pipelined=True) is None
 
 
 def test_trace_matches_the_benchs_per_request_record() -> None:

@@ -363,7 +363,8 @@ def measure_serving(hw_isolated: Any, timeout_s: float) -> dict[str, Any]:
     A short `superinfer bench experiment` (its own seed, not the experiments' default)
     runs the whole stack; the simulator replays that run on the isolated profile and the
     execution cost is scaled until its mean time per batch equals the one the scheduler
-    measured (Execute RPC wall time). Also the stack's own per-batch transfer cost.
+    measured (`fidelity.real_batch_s`: the worker's own time when pipelined, the Execute
+    RPC's wall time when serial). Also the stack's own per-batch transfer cost.
     """
     import subprocess
 
@@ -388,8 +389,10 @@ def measure_serving(hw_isolated: Any, timeout_s: float) -> dict[str, Any]:
     executes = g("executes")
     if not executes:
         raise RuntimeError("the serving run executed no batch")
-    real_mean = g("execute_rpc_s") / executes
     ec, transfer = fidelity.engine_config(config, real["policy"])
+    real_mean = fidelity.real_batch_s(g("execute_s"), g("execute_rpc_s"), executes,
+                                      ec.pipeline)
+    assert real_mean is not None
     cfg = SimConfig.from_engine(ec, **transfer)
     spec, trace = fidelity.trace_for(config, float(real["rps"]))
     k, res = fidelity.match_execute(hw_isolated, load_model("smollm2-135m"), ec.policy, cfg,
@@ -400,7 +403,8 @@ def measure_serving(hw_isolated: Any, timeout_s: float) -> dict[str, Any]:
     return {
         "command": "superinfer bench experiment " + " ".join(SERVING_RUN),
         "requests": real.get("requests"), "executes": int(executes),
-        "mean_execute_rpc_s": real_mean,
+        "mean_batch_s": real_mean, "pipelined": ec.pipeline,
+        "mean_execute_rpc_s": g("execute_rpc_s") / executes,
         "mean_worker_execute_s": g("execute_s") / executes,
         "execute_rpc_overhead_s": (g("execute_rpc_s") - g("execute_s")) / executes,
         "transfers": int(transfers), "plan_overhead_s": plan,
@@ -524,8 +528,8 @@ def _apply_serving(profile: dict[str, Any], srv: dict[str, Any], started: str) -
     why = (f", then every execution term scaled by {k:.3f}: the worker's slowdown inside the "
            f"serving stack, measured by the same calibration ({started} UTC) with `"
            f"{srv['command']}`: the simulator's replay of that run matches the scheduler's "
-           f"mean Execute time of {1000 * srv['mean_execute_rpc_s']:.1f} ms "
-           "(calibration.serving)")
+           f"mean time per batch of {1000 * srv['mean_batch_s']:.1f} ms "
+           "(calibration.serving; fidelity.real_batch_s)")
     src = profile["sources"]
     for key in ("peak_flops", "hbm_bandwidth_Bps", "attention_kv_Bps", "iteration_overhead_s"):
         src[key] += why
