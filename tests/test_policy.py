@@ -97,6 +97,27 @@ def test_a_parked_request_behind_its_pace_is_late_only_when_it_cannot_catch_up()
     assert lvf.may_preempt(victim, parked, now)
 
 
+def test_a_new_request_is_late_once_its_first_token_would_miss_its_ttft() -> None:
+    """Admitted now, a first token comes up to two batches later (the batch in flight, then
+    its own): a new request with less TTFT budget than that left is late, not the most
+    urgent on-time one (in the simulator the rule 'late only past the TTFT deadline' kept
+    admitting requests whose first tokens then just missed: Llama-3-8B at 140 req/s)."""
+    now = 10.0
+    edge = req("edge", arrival=5.3)  # TTFT deadline 10.3: 0.3 s of budget left
+    fresh = req("fresh", arrival=9.9)
+    victim = req("v", 0.0, RequestState.RUNNING, run_start=1.0)
+    lvf = make_policy("lvf", P)
+    assert not is_late(edge, now) and not is_late(edge, now, gap_s=0.1)
+    assert [r.request_id for r in lvf.candidates([fresh, edge], [], now)] == ["edge", "fresh"]
+    assert lvf.may_preempt(victim, edge, now)
+    for _ in range(50):  # batches of 200 ms: two of them end after 10.3
+        lvf.observe_iteration(0.2)
+    assert deadline(edge, lvf.gap_s) == pytest.approx(10.3 - 0.4)
+    assert is_late(edge, now, lvf.gap_s) and not is_late(fresh, now, lvf.gap_s)
+    assert [r.request_id for r in lvf.candidates([fresh, edge], [], now)] == ["fresh", "edge"]
+    assert not lvf.may_preempt(victim, edge, now)
+
+
 def test_lvf_honours_per_request_slos() -> None:
     now = 10.0
     loose = req("loose", arrival=8.0, slo=SLO(ttft_s=10.0, tbt_s=0.1))  # 0.2 - 1 = -0.8

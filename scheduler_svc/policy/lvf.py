@@ -2,9 +2,10 @@
 
 Candidates (waiting and rotary requests) come in two tiers. A request that can still meet
 the SLO it waits on is *on time*; on-time requests go first, largest VLT first. A request
-that has already missed it — no first token within its TTFT SLO, or parked past its
-deadline (vlt.deadline: its pace, plus what it can still win back) — is *late*: it is
-served from what the on-time ones leave, oldest deadline first, and never preempts anyone.
+that can no longer make it — admitted now, its first token would come after its TTFT
+deadline (two batches: vlt.deadline), or parked past its deadline (its pace, plus what it
+can still win back) — is *late*: it is served from what the on-time ones leave, oldest
+deadline first, and never preempts anyone.
 Measured in the simulator (docs/sim, issue #18): without the tiers, a parked request's lag
 grows without bound and, under sustained overload, rotary requests that can no longer be
 saved take every seat from new requests that still could be (TTFT attainment 69 % where
@@ -31,6 +32,7 @@ from collections.abc import Iterable
 
 from scheduler_svc.policy.base import OrderKey, Policy, RotationLimits, Unservable
 from scheduler_svc.policy.vlt import (
+    FIRST_TOKEN_BATCHES,
     VLTParams,
     catch_up_limit,
     is_late,
@@ -100,11 +102,14 @@ class LVFPolicy(Policy):
         p, slo, first = self.params, req.slo, req.first_token_time
         if first is None:
             if req.state is RequestState.RUNNING:  # not a candidate: the definitions' way
-                if is_late(req, now):
+                if is_late(req, now, self.gap_s):
                     return (1.0, lag_anchor(req, p), req.arrival_time)
                 return (0.0, -vlt(req, now, p), req.arrival_time)
             arrival = req.arrival_time
-            if now > arrival + slo.ttft_s:  # late
+            dl = arrival + slo.ttft_s  # vlt.deadline
+            if self.gap_s is not None:
+                dl = dl - FIRST_TOKEN_BATCHES * self.gap_s
+            if now > dl:  # late
                 return (1.0, arrival + (1.0 - p.beta_b) * slo.ttft_s, arrival)
             return (0.0, -((now - arrival) / slo.ttft_s - (1.0 - p.beta_b)), arrival)
         k = len(req.output_token_ids) + req.num_placeholders  # vlt.tokens_out
@@ -202,11 +207,14 @@ class LVFPolicy(Policy):
         # from what is left. Walks each run from its newest request to the first late one,
         # so the cost is bounded by the arrivals of one TTFT budget, not the backlog.
         within = self.limits.prefill_within
+        # vlt.deadline: a first token comes up to FIRST_TOKEN_BATCHES after admission
+        batch = FIRST_TOKEN_BATCHES * (self.gap_s or 0.0)
         demand = 0.0
         for run in waiting:
             for e in reversed(run):
                 q = e[2]
-                if q.first_token_time is not None or now > q.arrival_time + q.slo.ttft_s:
+                if (q.first_token_time is not None
+                        or now > q.arrival_time + q.slo.ttft_s - batch):
                     break
                 demand += (q.num_tokens - q.num_computed_tokens) / (within * q.slo.ttft_s)
         return demand
