@@ -58,6 +58,10 @@ class EngineConfig:
     # ... with decode seats counted so that new prompts are prefilled within this share
     # of their TTFT SLO.
     prefill_within: float = 0.5
+    # LVF rotates only where a candidate would miss its deadline waiting for seats that
+    # finishing requests free (False: whenever it lags more than a running request).
+    lazy_rotation: bool = True
+    lazy_margin: float = 0.25  # ... with this share of the candidate's TTFT SLO to spare
     eager_budget_blocks: int = 32
     # Automatic prefix caching (vLLM's flag): requests share the KV of full blocks whose
     # tokens (and all before them) match; freed ones stay cached on the device and, through
@@ -100,6 +104,8 @@ class EngineConfig:
         if self.iteration_budget is not None and not 0.0 <= self.iteration_budget <= 1.0:
             raise ValueError(f"--iteration-budget must be in [0, 1] (0: off), got "
                              f"{self.iteration_budget}")
+        if self.lazy_margin < 0.0:
+            raise ValueError(f"--lazy-margin must be >= 0, got {self.lazy_margin}")
         if not 0.0 < self.prefill_within <= 1.0:
             raise ValueError(f"--prefill-within must be in (0, 1], got {self.prefill_within}")
         for flag, v in (("--ttft-slo", self.ttft_slo), ("--tbt-slo", self.tbt_slo)):
@@ -165,6 +171,13 @@ class EngineConfig:
         s.add_argument("--prefill-within", type=float, default=0.5,
                        help="decode seats leave room to prefill new prompts within this share "
                             "of their TTFT SLO (with --iteration-budget)")
+        s.add_argument("--lazy-rotation", action=argparse.BooleanOptionalAction, default=True,
+                       help="LVF: preempt for a candidate only where it would miss its "
+                            "deadline waiting for seats that finishing requests free "
+                            "(--no-lazy-rotation: whenever it lags more than a running one)")
+        s.add_argument("--lazy-margin", type=float, default=0.25,
+                       help="LVF's lazy rotation: preempt once a candidate's slack is under "
+                            "that wait plus this share of its TTFT SLO")
         s.add_argument("--eager-budget-blocks", type=int, default=32)
         s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=True,

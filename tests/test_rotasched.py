@@ -110,6 +110,80 @@ def test_lvf_leaves_a_free_block_per_running_request_for_growth() -> None:
                for p in ("fcfs", "swapped-first", "waiting-first"))
 
 
+def _two_seats(limits: RotationLimits) -> tuple[Scheduler, list[float]]:
+    """LVF with two seats, both taken by long decodes far ahead of their pace."""
+    clock = [0.0]
+    sched = Scheduler(SchedulerConfig(num_device_blocks=64, num_host_blocks=64, block_size=4,
+                                      max_num_seqs=2, pipelined=False),
+                      make_policy("lvf", VLTParams(), limits), clock=lambda: clock[0])
+    for rid in ("r1", "r2"):
+        sched.add_request(Request(rid, [1, 2, 3], SamplingParams(max_tokens=1000, ignore_eos=True),
+                                  arrival_time=0.0, slo=SLO(5.0, 1.0)))
+    for _ in range(3):
+        _step(sched, clock)
+    return sched, clock
+
+
+def _step(sched: Scheduler, clock: list[float]) -> None:
+    out = sched.schedule()
+    if out.transfers is not None:
+        sched.complete_transfer(out.transfers.fence)
+    sched.update_from_output(out, ExecuteResult({c.request_id: 7 for c in out.chunks if c.sample},
+                                                execute_s=0.01))
+    clock[0] += 0.01
+
+
+@pytest.mark.parametrize("limits, per_s, rotates_at", [
+    (RotationLimits(lazy_rotation=False), 4, 10.0),  # it lags more than the running ones
+    (RotationLimits(lazy_margin=0.0), 4, 14.8),  # 0.18 s of slack left, under the 0.25 s wait
+    (RotationLimits(lazy_margin=0.25), 4, 13.6),  # 1.38 s left, under 0.25 s + 0.25 * 5 s
+    (RotationLimits(), 2, 10.0),  # 10 finishes per 5 s SLO: too few to wait for
+])
+def test_lvf_rotates_only_when_finishing_requests_would_not_seat_a_candidate_in_time(
+        limits: RotationLimits, per_s: int, rotates_at: float) -> None:
+    """Seats full, requests finishing at `per_s` a second: a new request (5 s TTFT SLO, its
+    deadline two 10 ms batches earlier) waits for a seat to free while its slack covers
+    that wait (1 / per_s) and the margin; LVF preempts for it once it does not. Without
+    lazy rotation, or with under 16 finishes per TTFT SLO to wait for, at once."""
+    sched, clock = _two_seats(limits)
+    last = 5.0
+
+    def finishing(upto: float) -> None:  # as from a fuller batch
+        nonlocal last
+        for i in range(1, round((upto - last) * per_s) + 1):
+            sched.turnover.record(last + i / per_s)
+        last = upto
+
+    new = Request("new", [4, 5, 6], SamplingParams(max_tokens=4, ignore_eos=True),
+                  arrival_time=10.0, slo=SLO(5.0, 1.0))
+    for t in (10.0, 13.0, 13.6, 14.0, 14.6, 14.8):
+        clock[0] = t
+        finishing(t)
+        assert sched.turnover.rate(t, 5.0) == pytest.approx(per_s)  # over the candidate's S_B
+        if t == 10.0:
+            sched.add_request(new)
+        _step(sched, clock)
+        rotated = t >= rotates_at
+        assert (new.state is RequestState.RUNNING) is rotated, t
+        assert sched.stats.rotations == int(rotated), t
+        if rotated:
+            break
+
+
+def test_turnover_counts_finishes_per_second_over_the_window() -> None:
+    from scheduler_svc.turnover import Turnover
+    t = Turnover(max_window_s=10.0)
+    assert t.rate(5.0, 5.0) == 0.0  # not started: no history
+    t.start(0.0)
+    for x in (1.0, 2.0, 3.0):
+        t.record(x)
+    assert t.rate(4.0, 5.0) == pytest.approx(3 / 4)  # 4 s of history so far
+    t.record(9.0)
+    assert t.rate(10.0, 5.0) == pytest.approx(1 / 5)  # only 9.0 in (5, 10]
+    t.record(25.0)  # drops everything older than 15 s
+    assert t.rate(25.0, 30.0) == pytest.approx(1 / 10)
+
+
 def test_seats_count_in_everything_fits() -> None:
     sched = _busy("lvf", None, n=3)
     sched.config.max_num_seqs = sched._seat_limit = 2

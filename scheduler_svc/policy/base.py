@@ -50,6 +50,11 @@ class RotationLimits:
     # Seats are counted so that the prompts of on-time new requests can be prefilled
     # within this share of their TTFT SLO (LVF; see LVFPolicy.prefill_demand).
     prefill_within: float = 0.5
+    # Rotate only where a candidate would miss its deadline waiting for seats that
+    # finishing requests free (a policy with `lazy_rotation`; Scheduler._rotation_needed),
+    # less a margin of this share of its TTFT SLO for the wait's variance.
+    lazy_rotation: bool = True
+    lazy_margin: float = 0.25
 
 
 class Unservable(enum.Enum):
@@ -72,6 +77,10 @@ class Policy(ABC):
     # order changes with time however they are grouped, and the scheduler sorts them by
     # `running_merge_key` each iteration (a batch's seats, not the backlog).
     static_running_order: bool = True
+    # Whether the policy preempts for a candidate only where its slack (`slack_s`) will not
+    # cover the wait for seats that finishing requests free (limits.lazy_rotation turns it
+    # off).
+    lazy_rotation: bool = False
 
     # -- admission decisions (the scheduler asks; defaults are vLLM's behaviour) ------------
     def plain_fcfs(self, everything_fits: bool) -> bool:
@@ -114,6 +123,11 @@ class Policy(ABC):
         """The queues' sorted runs, split where the merge key's order needs it (each
         returned run must be sorted by `merge_key` at `now`)."""
         return runs
+
+    def slack_s(self, candidate: Request, now: float) -> float | None:
+        """Seconds `candidate` may still wait and meet the SLO it waits on (None: it
+        cannot any more). Asked only of a policy with `lazy_rotation`."""
+        return None
 
     def on_unservable(self, candidate: Request, now: float) -> Unservable:
         """`candidate` does not fit and nobody may be preempted for it: stop or skip?"""

@@ -35,6 +35,7 @@ from scheduler_svc.policy.vlt import (
     FIRST_TOKEN_BATCHES,
     VLTParams,
     catch_up_limit,
+    deadline,
     is_late,
     lag_anchor,
     vlt,
@@ -53,6 +54,7 @@ class LVFPolicy(Policy):
     # A running request's VLT follows its tokens (its deadline moves with each), so the
     # scheduler sorts the running requests each iteration (at most the batch's seats).
     static_running_order = False
+    lazy_rotation = True  # rotate only where waiting for finishing requests would not do
     GAP_STEP = 0.1  # the deadlines' time between tokens follows its mean in 10 % steps
 
     def __init__(self, params: VLTParams, limits: RotationLimits) -> None:
@@ -86,6 +88,10 @@ class LVFPolicy(Policy):
 
     def is_late(self, req: Request, now: float) -> bool:
         return is_late(req, now, self.gap_s)
+
+    def slack_s(self, candidate: Request, now: float) -> float | None:
+        slack = deadline(candidate, self.gap_s) - now
+        return slack if slack >= 0.0 else None
 
     def order_key(self, req: Request, rotary: bool) -> OrderKey:
         # Highest VLT first = earliest anchor first within a group; ties to the earlier arrival.

@@ -139,6 +139,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--prefill-within", type=float, default=_D.prefill_within,
                    help="decode seats leave room to prefill new prompts within this share of "
                         "their TTFT SLO")
+    s.add_argument("--lazy-rotation", action=argparse.BooleanOptionalAction,
+                   default=_D.lazy_rotation,
+                   help="LVF: preempt only where a candidate would miss its deadline waiting "
+                        "for seats that finishing requests free")
+    s.add_argument("--lazy-margin", type=float, default=_D.lazy_margin,
+                   help="... plus this share of its TTFT SLO")
     s.add_argument("--iteration-cost", choices=["online", "model", "none"], default=_D.cost,
                    help="what the scheduler knows of batch times: a fit of the simulated "
                         "executor's times as the service does (online), the cost model "
@@ -188,6 +194,8 @@ def build_config(args: argparse.Namespace) -> SimConfig:
         hold_vlt=args.hold_vlt,
         iteration_budget=args.iteration_budget,
         prefill_within=args.prefill_within,
+        lazy_rotation=args.lazy_rotation,
+        lazy_margin=args.lazy_margin,
         cost=args.iteration_cost,
         eager_budget_blocks=args.eager_budget_blocks,
         layout=args.layout,

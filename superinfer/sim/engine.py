@@ -77,6 +77,8 @@ class SimConfig:
     hold_vlt: float | None = _ENGINE.hold_vlt
     iteration_budget: float | None = _ENGINE.iteration_budget
     prefill_within: float = _ENGINE.prefill_within
+    lazy_rotation: bool = _ENGINE.lazy_rotation
+    lazy_margin: float = _ENGINE.lazy_margin
     cost: str = "online"  # what the scheduler knows of iteration times: online, model, none
     eager_budget_blocks: int = AUTO  # 0: no eager copies
     layout: str = "block-first"
@@ -146,6 +148,8 @@ _VARIANT_KEYS = {
     "hold": ("hold_vlt", "optional_float"),
     "tbt_budget": ("iteration_budget", "optional_float"),
     "prefill": ("prefill_within", float),
+    "lazy": ("lazy_rotation", "bool"),
+    "lazy_margin": ("lazy_margin", float),
     "cost": ("cost", str),
     "eager": ("eager_budget_blocks", "budget"),
     "layout": ("layout", str),
@@ -302,7 +306,8 @@ class Simulator:
             self.policy_name,
             VLTParams(c.alpha, c.beta_b, c.beta_f),
             RotationLimits(self.xfer_budget, c.min_residency, c.vlt_margin, c.hold_vlt,
-                           c.iteration_budget, c.prefill_within),
+                           c.iteration_budget, c.prefill_within, c.lazy_rotation,
+                           c.lazy_margin),
         )
         cost: IterationCost | None = None
         if c.cost == "model":
