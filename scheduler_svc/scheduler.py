@@ -34,7 +34,12 @@ from scheduler_svc.fork import ForkGroups, shared_blocks
 from scheduler_svc.interfaces import SchedulerOutput
 from scheduler_svc.policy import Policy, Unservable
 from scheduler_svc.policy.base import arrival_order
-from scheduler_svc.policy.iteration_cost import IterationCost, seqs_within, tokens_within
+from scheduler_svc.policy.iteration_cost import (
+    IterationCost,
+    OnlineIterationCost,
+    seqs_within,
+    tokens_within,
+)
 from scheduler_svc.prefix_cache import PrefixHit
 from scheduler_svc.queue import Entry, RequestQueue
 from scheduler_svc.request import FinishReason, Request, RequestState
@@ -153,6 +158,11 @@ class Scheduler:
         # The executor's time per batch shape, for policies that keep iterations under a
         # time target (iteration-time-aware admission); None: token budget only.
         self.cost = cost
+        # The batches a time budget plans are the large ones, where one line fitted over all
+        # batches (mostly small decodes) is furthest off: an online fit gets a second one,
+        # fitted on the batches that took at least half the target, for the token budget.
+        self.near_cost = OnlineIterationCost() if isinstance(cost, OnlineIterationCost) else None
+        self._target: float | None = None  # the time target of the last plan, if any
         self._seat_limit = config.max_num_seqs
         self._tbt_slos: dict[float, int] = {}  # S_F of the live requests -> how many
         self.bm = BlockManager(config.num_device_blocks, config.num_host_blocks, config.block_size,
@@ -276,6 +286,7 @@ class Scheduler:
         seats for the decodes that leave the policy's share of it to prefill."""
         cfg, cost = self.config, self.cost
         self._seat_limit = cfg.max_num_seqs
+        self._target = None
         if cost is None or not cost.ready or not self._tbt_slos:
             return cfg.max_batched_tokens
         target = self.policy.iteration_target_s(min(self._tbt_slos))
@@ -285,11 +296,14 @@ class Scheduler:
             # The executor's fixed cost per batch alone takes half the target: fewer requests
             # per batch would cost throughput and win no gap (measured on the CPU stack).
             return cfg.max_batched_tokens
+        self._target = target
+        near = self.near_cost
         running = self.running
         # sum(num_tokens), the property inlined: this runs every iteration over the batch.
         context = sum(len(r.prompt_token_ids) + len(r.output_token_ids) + r.num_placeholders
                       for r in running)
-        budget = tokens_within(cost, target, len(running), context, cfg.max_batched_tokens)
+        budget = tokens_within(near if near is not None and near.ready else cost, target,
+                               len(running), context, cfg.max_batched_tokens)
         per_seq = context / len(running) if running else 0.0
         demand = self.policy.prefill_demand(self.waiting.live_groups(), self.clock())
         reserve = min(budget // 2, int(demand * target))
@@ -811,6 +825,10 @@ class Scheduler:
             if self.cost is not None:
                 context = sum(c.start_pos + len(c.token_ids) for c in out.chunks)
                 self.cost.observe(out.num_tokens, len(out.chunks), context, result.execute_s)
+                if (self.near_cost is not None and self._target is not None
+                        and result.execute_s >= 0.5 * self._target):
+                    self.near_cost.observe(out.num_tokens, len(out.chunks), context,
+                                           result.execute_s)
         for chunk in out.chunks:
             req = self.requests.get(chunk.request_id)
             if req is None:

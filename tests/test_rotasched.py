@@ -102,6 +102,43 @@ def test_lvf_keeps_the_iteration_under_its_share_of_the_tbt_slo() -> None:
     assert _busy("lvf", slow).schedule().num_tokens == 8000
 
 
+def _roofline_batches(near_fit: bool) -> list[float]:
+    """LVF with an online fit, on an executor that is memory-bound for small batches (20 ms)
+    and compute-bound for large ones (60 us a token); between two planned batches the fit
+    also sees 20 decode-only batches, as a serving fit mostly does. The planned batches'
+    real times."""
+    fit = OnlineIterationCost(min_batches=1)
+    lvf = _busy("lvf", fit, n=200)
+    if not near_fit:
+        lvf.near_cost = None
+
+    def real(tokens: int) -> float:
+        return max(0.02, 6e-5 * tokens)
+
+    times = []
+    for _ in range(60):
+        for k in range(20):
+            fit.observe(20 + k, 20 + k, 5000, real(20 + k))
+        out = lvf.schedule()
+        t = real(out.num_tokens)
+        times.append(t)
+        lvf.update_from_output(out, ExecuteResult({ch.request_id: 7 for ch in out.chunks
+                                                   if ch.sample}, execute_s=t))
+    return times
+
+
+def test_lvf_budgets_large_batches_with_a_fit_of_the_large_batches() -> None:
+    """One line fitted over all batches, mostly small decodes, underestimates the large ones
+    a time budget plans: they run past the 0.9 * 100 ms target (by 2-7 %: in the simulator,
+    9-26 % and past the SLO, every running request's gap missed). Once the fit of the
+    batches near the target has 8 of them, the planned batches land on the target."""
+    alone = _roofline_batches(near_fit=False)
+    assert sum(t > 0.091 for t in alone[:24]) >= 15  # the 200 prompts take ~24 batches
+    near = _roofline_batches(near_fit=True)
+    assert all(t <= 0.09 + 1e-9 for t in near[9:])
+    assert sum(t >= 0.085 for t in near[9:24]) >= 12  # large batches still, not small ones
+
+
 def test_lvf_leaves_a_free_block_per_running_request_for_growth() -> None:
     limits = RotationLimits(min_residency=0)
     lvf = make_policy("lvf", VLTParams(), limits)
