@@ -33,7 +33,7 @@ from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.fork import ForkGroups, shared_blocks
 from scheduler_svc.interfaces import SchedulerOutput
 from scheduler_svc.policy import Policy, Unservable
-from scheduler_svc.policy.base import arrival_order
+from scheduler_svc.policy.base import deadline_order
 from scheduler_svc.policy.iteration_cost import (
     IterationCost,
     OnlineIterationCost,
@@ -324,7 +324,7 @@ class Scheduler:
         fcfs_mode = self.policy.plain_fcfs(self.everything_fits())
 
         if fcfs_mode:
-            order = arrival_order(self.running.list())
+            order = deadline_order(self.running.list())
         elif self.policy.static_running_order:
             order = list(_merge(self.running.live_groups(), self.policy.running_merge_key,
                                 plan.now))
@@ -470,7 +470,7 @@ class Scheduler:
             return  # nothing to admit, or no token left to give: skip ordering everyone
         queue: Iterable[Request]
         if fcfs_mode:
-            queue = arrival_order(self.rotary.list() + self.waiting.list())
+            queue = deadline_order(self.rotary.list() + self.waiting.list())
         else:
             runs = policy.candidate_runs(self.waiting.groups() + self.rotary.groups(), plan.now)
             queue = _merge(runs, policy.merge_key, plan.now)
@@ -531,7 +531,11 @@ class Scheduler:
             elif fcfs_mode:
                 chosen = []
             else:
-                chosen = self._pick_victims(q, need, swaps_in, cost, victims, plan, need_seat)
+                # As many victims as q's seat takes: the seat limit can drop below the
+                # running count (a slower batch, more prefill demand), and one victim then
+                # seated nobody, a batch after batch (measured, docs/sim/issue18).
+                seats = len(self.running) - self._seat_limit + 1
+                chosen = self._pick_victims(q, need, swaps_in, cost, victims, plan, seats)
             if chosen is None:
                 if policy.on_unservable(q, plan.now) is Unservable.STOP:
                     break  # strict order: stop at the first request that cannot be served
@@ -638,9 +642,10 @@ class Scheduler:
         cost: int,
         victims: list[Request],
         plan: _Plan,
-        need_seat: bool = False,
+        seats: int = 0,
     ) -> list[Request] | None:
-        """Victims whose preemption makes room for `q` within B_xfer; None if impossible.
+        """Victims whose preemption makes room for `q` within B_xfer, and at least `seats`
+        of them (the seats q needs: ≤ 0 where one is free); None if impossible.
 
         Nobody is preempted unless the candidate then fits: a rotation that does not
         serve anyone only costs transfers.
@@ -652,7 +657,7 @@ class Scheduler:
         busy_counts = rotary or not bm.same_iteration_reuse
         chosen: list[Request] = []
         for v in itertools.islice(victims, head, None):
-            if need <= room and (chosen or not need_seat):
+            if need <= room and len(chosen) >= seats:
                 break
             if v.state is not RequestState.RUNNING:
                 continue
@@ -672,7 +677,7 @@ class Scheduler:
             room += held - busy if busy_counts else held
             moved += out_cost
             chosen.append(v)
-        return chosen if need <= room and (chosen or not need_seat) else None
+        return chosen if need <= room and len(chosen) >= seats else None
 
     def _count_releasable(self, victims: list[Request], plan: _Plan) -> None:
         """plan.releasable for the running ones of `victims`: each adds at most every device

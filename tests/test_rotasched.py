@@ -221,6 +221,53 @@ def test_turnover_counts_finishes_per_second_over_the_window() -> None:
     assert t.rate(25.0, 30.0) == pytest.approx(1 / 10)
 
 
+class PerToken:
+    """t = 5 ms + `per_token` per token in the batch."""
+
+    ready = True
+
+    def __init__(self, per_token: float) -> None:
+        self.per_token = per_token
+
+    def seconds(self, tokens: int, seqs: int, context: int) -> float:
+        return 0.005 + self.per_token * tokens
+
+    def observe(self, tokens: int, seqs: int, context: int, seconds: float) -> None:
+        pass
+
+
+def test_lvf_frees_every_seat_a_candidate_needs_when_the_seat_limit_drops() -> None:
+    """Six decodes run, far ahead of their pace. The executor slows: ten tokens fit the
+    90 ms target, and a waiting prompt's demand keeps half of them for prefill, so five
+    seats are left for decodes. The new request, which may preempt them, is seated at once:
+    LVF rotates out the two it takes, not one a batch while nobody is admitted (it did
+    that in the simulator's mixed-SLO run at gh200 artifact settings, for seconds, while
+    interactive requests went late with thousands of blocks free: docs/sim/issue18)."""
+    clock = [0.0]
+    cost = PerToken(1e-5)
+    limits = RotationLimits(min_residency=0, prefill_within=0.02)
+    sched = Scheduler(SchedulerConfig(num_device_blocks=256, num_host_blocks=256, block_size=4,
+                                      max_num_seqs=16, eager_budget_blocks=0),
+                      make_policy("lvf", VLTParams(), limits),
+                      clock=lambda: clock[0], cost=cost)  # type: ignore[arg-type]
+    for i in range(6):
+        sched.add_request(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=1000,
+                                                                      ignore_eos=True),
+                                  arrival_time=0.0, slo=SLO(5.0, 0.1)))
+    for _ in range(5):
+        _step(sched, clock)
+    assert len(sched.running) == 6 and sched._seat_limit == 16
+    cost.per_token = 0.0085  # ten tokens in 90 ms
+    new = Request("new", list(range(20)), SamplingParams(max_tokens=4, ignore_eos=True),
+                  arrival_time=clock[0], slo=SLO(5.0, 0.1))
+    sched.add_request(new)
+    clock[0] += 1.0
+    out = sched.schedule()
+    assert sched._seat_limit == 5
+    assert new.state is RequestState.RUNNING and "new" in {c.request_id for c in out.chunks}
+    assert len(out.rotated_out) == 2 and len(sched.running) == 5
+
+
 def test_seats_count_in_everything_fits() -> None:
     sched = _busy("lvf", None, n=3)
     sched.config.max_num_seqs = sched._seat_limit = 2
@@ -297,6 +344,35 @@ def test_attainment_per_slo_class() -> None:
     assert m.per_class["interactive"]["ttft_attainment"] == 0.5
     assert m.per_class["batch"]["ttft_attainment"] == 1.0
     assert m.per_class["batch"]["requests"] == 1
+
+
+def test_lvf_serves_the_earliest_ttft_deadline_first_while_everything_fits() -> None:
+    """Memory and seats to spare (LVF's plain-FCFS step), the token budget binding: an
+    interactive prompt (1 s TTFT SLO) that arrived after a batch-class one (20 s) gets the
+    budget first, its deadline being earlier; with one SLO class this is arrival order.
+    (In arrival order the simulator's mixed-SLO run, gh200 artifact settings at 20 req/s,
+    gave batch-class prompts that had waited 2 s the budget while interactive ones went
+    late: docs/sim/issue18.)"""
+    clock = [0.6]
+    sched = Scheduler(SchedulerConfig(num_device_blocks=64, num_host_blocks=64, block_size=4,
+                                      max_batched_tokens=8, eager_budget_blocks=0),
+                      make_policy("lvf"), clock=lambda: clock[0])
+    batch = Request("batch", list(range(16)), SamplingParams(max_tokens=4, ignore_eos=True),
+                    arrival_time=0.0, slo=SLO(20.0, 0.5))
+    inter = Request("inter", list(range(16)), SamplingParams(max_tokens=4, ignore_eos=True),
+                    arrival_time=0.5, slo=SLO(1.0, 0.05))
+    sched.add_request(batch)
+    sched.add_request(inter)
+    assert sched.everything_fits()
+    served = []
+    for _ in range(2):
+        out = sched.schedule()
+        served.append({c.request_id: len(c.token_ids) for c in out.chunks})
+        sched.update_from_output(out, ExecuteResult(
+            {c.request_id: 7 for c in out.chunks if c.sample}, execute_s=0.01))
+        clock[0] += 0.01
+    assert served == [{"inter": 8}, {"inter": 8}]
+    assert inter.first_token_time is not None and batch.num_computed_tokens == 0
 
 
 def test_slo_classes_parse_and_each_request_carries_its_own() -> None:

@@ -8,6 +8,10 @@ Per run file and rate, with swapped-first (SF) and the best baseline per metric:
 * tpot_ok: LVF TPOT >= SF's - 5 points;
 * dominated_by: baselines at least as good as LVF on both TTFT and per-gap TBT and better
   on one (0.05-point ties count as equal).
+
+Mixed SLOs (`mixed_*.json`), per rate: the interactive class's TTFT / per-gap TBT / TPOT
+for every policy; interactive_ok per metric: LVF >= every baseline (0.05-point ties
+count as equal); batch_ok: LVF's batch-class TTFT >= 90 %.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ HERE = Path(__file__).parent
 BASELINES = ("swapped-first", "waiting-first", "fcfs")
 RUNS = ("gh200_artifact", "gh200_96gb_defaults", "gh200_defaults", "mixtral_artifact",
         "llama3_artifact", "llama3_artifact_high")
+MIXED = ("mixed_gh200_artifact", "mixed_gh200_96gb")
 TIE = 0.05
 
 
@@ -46,6 +51,44 @@ def check(rows: dict[str, dict]) -> dict:
         "rotations": memory_binds,
         "lvf_rotations": lvf.get("rotations"), "sf_rotations": sf.get("rotations"),
     }
+
+
+def check_mixed(rows: dict[str, dict]) -> dict:
+    m = {p: tuple(pct(r["per_class"]["interactive"][k]) for k in
+                  ("ttft_attainment", "tbt_attainment", "tpot_attainment"))
+         for p, r in rows.items()}
+    ok = [all(m["lvf"][i] >= m[b][i] - TIE for b in BASELINES) for i in range(3)]
+    return {"interactive": m, "interactive_ok": ok,
+            "batch_ttft": pct(rows["lvf"]["per_class"]["batch"]["ttft_attainment"]),
+            "batch_ok": rows["lvf"]["per_class"]["batch"]["ttft_attainment"] >= 0.9}
+
+
+def mixed_lines(out: dict[str, dict]) -> list[str]:
+    lines: list[str] = []
+    for name in MIXED:
+        path = HERE / f"{name}.json"
+        if not path.exists():
+            continue
+        by_rate: dict[float, dict[str, dict]] = {}
+        for r in json.loads(path.read_text())["results"]:
+            by_rate.setdefault(r["rps"], {})[r["policy"]] = r
+        out[name] = {}
+        lines += [f"## {name} (interactive class)", "",
+                  "| RPS | lvf | swapped-first | waiting-first | fcfs | TTFT ok | TBT ok | "
+                  "TPOT ok | lvf batch TTFT |", "|---|---|---|---|---|---|---|---|---|"]
+        for rps in sorted(by_rate):
+            rows = by_rate[rps]
+            if not all(p in rows for p in ("lvf", *BASELINES)):
+                continue
+            c = out[name][f"{rps:g}"] = check_mixed(rows)
+            cell = lambda t: " / ".join(f"{x:.1f}" for x in t)  # noqa: E731
+            yes = lambda b: "yes" if b else "**no**"  # noqa: E731
+            lines.append(f"| {rps:g} | " + " | ".join(cell(c["interactive"][p])
+                                                     for p in ("lvf", *BASELINES))
+                         + " | " + " | ".join(yes(b) for b in c["interactive_ok"])
+                         + f" | {c['batch_ttft']:.1f} ({yes(c['batch_ok'])}) |")
+        lines.append("")
+    return lines
 
 
 def main() -> None:
@@ -82,6 +125,7 @@ def main() -> None:
                 f"{', '.join(c['dominated_by']) or '-'} | "
                 f"{g['lvf']:.2f} / {max(g[b] for b in BASELINES):.2f} |")
         lines.append("")
+    lines += mixed_lines(out)
     (HERE / "must_show.json").write_text(json.dumps(out, indent=1) + "\n")
     (HERE / "must_show.md").write_text("\n".join(lines))
     print("\n".join(lines))
