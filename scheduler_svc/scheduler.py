@@ -165,6 +165,7 @@ class Scheduler:
         self._target: float | None = None  # the time target of the last plan, if any
         self._seat_limit = config.max_num_seqs
         self._tbt_slos: dict[float, int] = {}  # S_F of the live requests -> how many
+        self._ttft_slos: dict[float, int] = {}  # S_B of the live requests -> how many
         self.bm = BlockManager(config.num_device_blocks, config.num_host_blocks, config.block_size,
                                same_iteration_reuse=not config.pipelined,
                                prefix_caching=config.enable_prefix_caching,
@@ -209,6 +210,10 @@ class Scheduler:
         self.requests[req.request_id] = req
         self._blocks_needed += self._next_token_blocks(req)
         self._tbt_slos[req.slo.tbt_s] = self._tbt_slos.get(req.slo.tbt_s, 0) + 1
+        n = self._ttft_slos.get(req.slo.ttft_s, 0)
+        self._ttft_slos[req.slo.ttft_s] = n + 1
+        if not n:
+            self._lag_unit_changed()
         self.waiting.append(req)
 
     def add_group(self, leader: Request, followers: list[Request]) -> None:
@@ -261,6 +266,12 @@ class Scheduler:
             self._tbt_slos[req.slo.tbt_s] = left
         else:
             del self._tbt_slos[req.slo.tbt_s]
+        left = self._ttft_slos[req.slo.ttft_s] - 1
+        if left:
+            self._ttft_slos[req.slo.ttft_s] = left
+        else:
+            del self._ttft_slos[req.slo.ttft_s]
+            self._lag_unit_changed()
         req.finish_reason = reason
         req.set_state(RequestState.FINISHED, now)
         del self.requests[req.request_id]
@@ -279,6 +290,12 @@ class Scheduler:
         under a time target)?"""
         return (self._blocks_needed <= self.config.num_device_blocks
                 and len(self.requests) <= self._seat_limit)
+
+    def _lag_unit_changed(self) -> None:
+        """Live requests with different TTFT SLOs: the policy counts every lag in the
+        longest of them (policy/vlt.py), so that VLT orders them by slack in seconds."""
+        slos = self._ttft_slos
+        self.policy.set_lag_unit(max(slos) if len(slos) > 1 else None)
 
     def _time_budget(self) -> int:
         """This iteration's token budget; sets the seat limit. With a time target from the

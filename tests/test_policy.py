@@ -370,6 +370,8 @@ def test_lazy_merged_order_equals_the_plain_sort(name: str, params: VLTParams) -
         now = 100.0
         if trial % 2:  # LVF: some started requests behind their pace can catch up
             policy.observe_iteration(rng.choice([0.01, 0.05, 0.2]))
+        # Lags in each request's own TTFT SLO, or in one unit for every class (LVF)
+        policy.set_lag_unit(rng.choice([None, 20.0]))
         waiting = RequestQueue(lambda r: policy.order_key(r, False))
         rotary = RequestQueue(lambda r: policy.order_key(r, True))
         running = RequestQueue(policy.running_key)
@@ -431,7 +433,7 @@ def test_lvf_merge_key_is_the_vlt_definitions(params: VLTParams) -> None:
     def definition(r: Request, now: float) -> tuple[float, ...]:
         if is_late(r, now, lvf.gap_s):
             return (1.0, lag_anchor(r, params, lvf.gap_s), r.arrival_time)
-        return (0.0, -vlt(r, now, params, lvf.gap_s), r.arrival_time)
+        return (0.0, -vlt(r, now, params, lvf.gap_s, lvf.lag_unit_s), r.arrival_time)
 
     rng = random.Random(3)
     lvf = make_policy("lvf", params)
@@ -439,6 +441,7 @@ def test_lvf_merge_key_is_the_vlt_definitions(params: VLTParams) -> None:
     for i in range(2000):
         # No batch seen yet, then gaps from a fifth of the SLO to over it.
         lvf.gap_s = None if i < 500 else rng.choice([0.01, 0.04, 0.09, 0.6])
+        lvf.set_lag_unit(rng.choice([None, 20.0, 7.0]))
         now = rng.uniform(0.0, 100.0)
         slo = SLO(rng.choice([1.0, 5.0, 20.0]), rng.choice([0.05, 0.1, 0.5]))
         state = rng.choice([RequestState.WAITING, RequestState.ROTARY, RequestState.RUNNING])
@@ -468,6 +471,9 @@ def test_lvf_running_order_is_the_vlt_definitions(params: VLTParams) -> None:
     for trial in range(300):
         gap = None if trial < 60 else rng.choice([0.01, 0.04, 0.09, 0.6])
         lvf.gap_s = plain.gap_s = gap
+        unit = rng.choice([None, 20.0])
+        lvf.set_lag_unit(unit)
+        plain.set_lag_unit(unit)
         now = round(rng.uniform(10.0, 100.0), 1)
         running = []
         for i in range(rng.randint(0, 40)):
@@ -488,7 +494,7 @@ def test_lvf_running_order_is_the_vlt_definitions(params: VLTParams) -> None:
         assert order == sorted(running, key=lambda r: lvf.running_merge_key(r, now))
         at, ranked = lvf._ranked
         assert at == now
-        assert all(ranked[r.request_id] == vlt(r, now, params, gap) for r in running)
+        assert all(ranked[r.request_id] == vlt(r, now, params, gap, unit) for r in running)
         candidates = [req(f"c{trial}-{j}", round(rng.uniform(0.0, now), 1)) for j in range(3)]
         for when in (now, now + 0.5):  # at another time the ranking does not count
             for v in running:

@@ -375,6 +375,33 @@ def test_lvf_serves_the_earliest_ttft_deadline_first_while_everything_fits() -> 
     assert inter.first_token_time is not None and batch.num_computed_tokens == 0
 
 
+def test_lvf_ranks_slo_classes_by_slack_in_seconds_when_memory_is_short() -> None:
+    """Memory short (LVF orders by VLT, not plain FCFS), the token budget binding: a batch-
+    class prompt (20 s TTFT SLO) that has waited 13 s has used more of its own budget than
+    an interactive one (1 s) that has waited 0.4 s, but 7 s more slack. With every lag in
+    one unit, the longest live TTFT SLO, the interactive prompt is prefilled first. (In
+    each request's own SLO the batch one went first; in the simulator's mixed-SLO run,
+    gh200 artifact settings at 20 req/s, two interactive requests then missed their TTFT
+    deadline behind batch-class prompts with seconds to spare: docs/sim/issue18.)"""
+    clock = [13.0]
+    sched = Scheduler(SchedulerConfig(num_device_blocks=8, num_host_blocks=64, block_size=4,
+                                      max_batched_tokens=8, eager_budget_blocks=0),
+                      make_policy("lvf"), clock=lambda: clock[0])
+    batch = Request("batch", list(range(16)), SamplingParams(max_tokens=4, ignore_eos=True),
+                    arrival_time=0.0, slo=SLO(20.0, 0.5))
+    inter = Request("inter", list(range(16)), SamplingParams(max_tokens=4, ignore_eos=True),
+                    arrival_time=12.6, slo=SLO(1.0, 0.05))
+    sched.add_request(batch)
+    assert sched.policy.lag_unit_s is None  # one class: each request's own SLO
+    sched.add_request(inter)
+    assert sched.policy.lag_unit_s == 20.0
+    assert not sched.everything_fits()
+    out = sched.schedule()
+    assert {c.request_id: len(c.token_ids) for c in out.chunks} == {"inter": 8}
+    sched.abort("inter")
+    assert sched.policy.lag_unit_s is None
+
+
 def test_slo_classes_parse_and_each_request_carries_its_own() -> None:
     assert parse_slo_classes("mixed") == SLO_MIXES["mixed"]
     assert parse_slo_classes("a=1:0.05:1,b=20:0.5:3") == (SLOClass("a", 1.0, 0.05, 1.0),

@@ -73,6 +73,9 @@ class Policy(ABC):
     # Share of the tightest TBT SLO an iteration may take when limits do not say (None:
     # no time target, vLLM's behaviour).
     default_iteration_budget: float | None = None
+    # The unit, in seconds, of the lags a VLT counts where live requests carry different
+    # SLOs (the scheduler sets it: set_lag_unit); None: each request's own TTFT SLO.
+    lag_unit_s: float | None = None
     # Whether `running_key` orders the running requests at every moment. False: their
     # order changes with time however they are grouped, and the scheduler sorts them by
     # `running_merge_key` each iteration (a batch's seats, not the backlog).
@@ -81,6 +84,11 @@ class Policy(ABC):
     # cover the wait for seats that finishing requests free (limits.lazy_rotation turns it
     # off).
     lazy_rotation: bool = False
+
+    def set_lag_unit(self, unit_s: float | None) -> None:
+        """The scheduler's word, whenever the live requests' TTFT SLOs change: one unit
+        for every lag where they differ (the longest of them), None where they are one."""
+        self.lag_unit_s = unit_s
 
     # -- admission decisions (the scheduler asks; defaults are vLLM's behaviour) ------------
     def plain_fcfs(self, everything_fits: bool) -> bool:

@@ -75,6 +75,12 @@ class LVFPolicy(Policy):
         self._gap_mean: float | None = None
         self.gap_s: float | None = None
 
+    def set_lag_unit(self, unit_s: float | None) -> None:
+        if unit_s != self.lag_unit_s:
+            self.lag_unit_s = unit_s
+            self._asked = (None, 0.0, None)
+            self._ranked = (0.0, {})
+
     def observe_iteration(self, seconds: float) -> bool:
         m = self._gap_mean
         self._gap_mean = m = seconds if m is None else 0.9 * m + 0.1 * seconds
@@ -117,7 +123,10 @@ class LVFPolicy(Policy):
                 dl = dl - FIRST_TOKEN_BATCHES * self.gap_s
             if now > dl:  # late
                 return (1.0, arrival + (1.0 - p.beta_b) * slo.ttft_s, arrival)
-            return (0.0, -((now - arrival) / slo.ttft_s - (1.0 - p.beta_b)), arrival)
+            v = (now - arrival) / slo.ttft_s - (1.0 - p.beta_b)
+            if self.lag_unit_s is not None:
+                v = v * (slo.ttft_s / self.lag_unit_s)
+            return (0.0, -v, arrival)
         k = len(req.output_token_ids) + req.num_placeholders  # vlt.tokens_out
         tbt, gap = slo.tbt_s, self.gap_s
         dl = first + k * tbt  # vlt.deadline
@@ -129,7 +138,10 @@ class LVFPolicy(Policy):
         if now > dl:  # late
             return (1.0, anchor, req.arrival_time)
         lag = (now - anchor) / slo.ttft_s
-        return (0.0, -(p.alpha * lag if lag >= 0.0 else lag / p.alpha), req.arrival_time)
+        v = p.alpha * lag if lag >= 0.0 else lag / p.alpha
+        if self.lag_unit_s is not None:
+            v = v * (slo.ttft_s / self.lag_unit_s)
+        return (0.0, -v, req.arrival_time)
 
     def candidate_runs(self, runs: list[list[Entry]], now: float) -> list[list[Entry]]:
         # Each group is sorted by lag anchor; its late requests become a run of their own.
@@ -156,7 +168,7 @@ class LVFPolicy(Policy):
         return 0, ()  # no static order (static_running_order): sorted each iteration
 
     def running_merge_key(self, req: Request, now: float) -> tuple[float, ...]:
-        return (-vlt(req, now, self.params, self.gap_s), req.arrival_time)
+        return (-vlt(req, now, self.params, self.gap_s, self.lag_unit_s), req.arrival_time)
 
     def running_order(self, running: list[Request], now: float) -> list[Request]:
         # sorted(running, key=running_merge_key), each VLT computed once with vlt()'s
@@ -164,7 +176,7 @@ class LVFPolicy(Policy):
         # through deadline, due_time and tokens_out were most of the decision's cost), and
         # kept for may_preempt, whose victims are these requests at this same `now`.
         # tests/test_policy.py checks both against the definitions.
-        p, gap = self.params, self.gap_s
+        p, gap, unit = self.params, self.gap_s, self.lag_unit_s
         alpha, beta_f, beta_b = p.alpha, p.beta_f, p.beta_b
         vlts: dict[str, float] = {}
         keyed = []
@@ -186,11 +198,15 @@ class LVFPolicy(Policy):
                     dl = dl - beta_f * k * tbt
                 lag = (now - dl) / slo.ttft_s
                 v = alpha * lag if lag >= 0.0 else lag / alpha
+                if unit is not None:
+                    v = v * (slo.ttft_s / unit)
             elif r.state is RequestState.RUNNING:  # prefilling
                 start = r.run_start_time if r.run_start_time is not None else now
                 v = -(now - start) / (alpha * slo.tbt_s)
             else:
                 v = (now - r.arrival_time) / slo.ttft_s - (1.0 - beta_b)
+                if unit is not None:
+                    v = v * (slo.ttft_s / unit)
             vlts[r.request_id] = v
             keyed.append((-v, r.arrival_time, i))  # i: ties keep sorted()'s stable order
         keyed.sort()
@@ -234,7 +250,9 @@ class LVFPolicy(Policy):
         return Unservable.STOP if self.holds_the_line(candidate, now) else Unservable.SKIP
 
     def holds_the_line(self, candidate: Request, now: float) -> bool:
-        """Must admission stop at this new request so that free blocks gather for it?"""
+        """Must admission stop at this new request so that free blocks gather for it? Its
+        VLT in its own TTFT SLO (hold_vlt is a share of its own budget), whatever the unit
+        of the order."""
         hold = self.limits.hold_vlt
         return (hold is not None and candidate.first_token_time is None
                 and candidate.state is RequestState.WAITING
@@ -245,12 +263,13 @@ class LVFPolicy(Policy):
         if asked is not candidate or at != now:
             # A late request is served from free capacity only: it preempts nobody.
             bar = (None if is_late(candidate, now, self.gap_s)
-                   else vlt(candidate, now, self.params, self.gap_s) - self.limits.vlt_margin)
+                   else vlt(candidate, now, self.params, self.gap_s, self.lag_unit_s)
+                   - self.limits.vlt_margin)
             self._asked = (candidate, now, bar)
         if bar is None:
             return False
         at, ranked = self._ranked
         v = ranked.get(victim.request_id) if at == now else None
         if v is None:
-            v = vlt(victim, now, self.params, self.gap_s)
+            v = vlt(victim, now, self.params, self.gap_s, self.lag_unit_s)
         return v < 0.0 and v < bar

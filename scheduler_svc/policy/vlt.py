@@ -25,7 +25,12 @@ since admission instead and rotated a request out after a batch or two however f
 behind it was; docs/sim/issue18). β_F is the share of the TPOT budget a request may use
 before it counts as lagging, as β_B is for the TTFT budget. Both lags are in units of the
 request's TTFT budget S_B, so that a parked request's slack and a new request's slack
-compare in the same seconds. α weighs a started request against a new one: its lag counts
+compare in the same seconds. Where live requests carry different SLOs, the unit is one
+for all of them (`unit_s`: the longest live TTFT SLO, set by the scheduler), so that VLT
+orders requests of different classes by their slack in seconds: in a request's own S_B,
+a batch-class request 13 s from its 20 s TTFT deadline outranked an interactive one 0.6 s
+from its 1 s deadline, which then missed it (measured, docs/sim/issue18/README.md). With
+one class the two are the same. α weighs a started request against a new one: its lag counts
 α times, its lead 1/α times, so a larger α makes it more urgent at every moment (and a
 running request a later victim).
 """
@@ -122,9 +127,11 @@ def catch_up_limit(remaining: int, tbt_s: float, gap_s: float) -> float:
     return limit if win >= gap_s else limit * win / gap_s
 
 
-def vlt(req: Request, now: float, p: VLTParams, gap_s: float | None = None) -> float:
+def vlt(req: Request, now: float, p: VLTParams, gap_s: float | None = None,
+        unit_s: float | None = None) -> float:
     """The request's Virtual Lag Time at `now`, using the request's own SLOs; `gap_s` as
-    for `deadline`."""
+    for `deadline`. Lags count in units of `unit_s` seconds (None: the request's own
+    TTFT SLO; module doc)."""
     slo = req.slo
     first = req.first_token_time
     if first is None:
@@ -132,10 +139,12 @@ def vlt(req: Request, now: float, p: VLTParams, gap_s: float | None = None) -> f
             start = req.run_start_time if req.run_start_time is not None else now
             return -(now - start) / (p.alpha * slo.tbt_s)
         # No token yet: lag against the TTFT budget since arrival.
-        return (now - req.arrival_time) / slo.ttft_s - (1.0 - p.beta_b)
-    # Started, running or not: lag against its deadline (module doc).
-    lag = (now - lag_anchor(req, p, gap_s)) / slo.ttft_s
-    return p.alpha * lag if lag >= 0.0 else lag / p.alpha
+        v = (now - req.arrival_time) / slo.ttft_s - (1.0 - p.beta_b)
+    else:
+        # Started, running or not: lag against its deadline (module doc).
+        lag = (now - lag_anchor(req, p, gap_s)) / slo.ttft_s
+        v = p.alpha * lag if lag >= 0.0 else lag / p.alpha
+    return v if unit_s is None else v * (slo.ttft_s / unit_s)
 
 
 def lag_anchor(req: Request, p: VLTParams, gap_s: float | None = None) -> float:
