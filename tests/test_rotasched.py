@@ -346,6 +346,22 @@ def test_attainment_per_slo_class() -> None:
     assert m.per_class["batch"]["requests"] == 1
 
 
+def _batch_and_interactive(now: float, device_blocks: int, inter_arrival: float
+                           ) -> tuple[Scheduler, list[float], Request, Request]:
+    """LVF with 8 tokens of budget a batch; a batch-class prompt (20 s / 500 ms SLO) that
+    arrived at 0 and an interactive one (1 s / 50 ms), 16 tokens each, not yet added."""
+    clock = [now]
+    sched = Scheduler(SchedulerConfig(num_device_blocks=device_blocks, num_host_blocks=64,
+                                      block_size=4, max_batched_tokens=8,
+                                      eager_budget_blocks=0),
+                      make_policy("lvf"), clock=lambda: clock[0])
+    batch = Request("batch", list(range(16)), SamplingParams(max_tokens=4, ignore_eos=True),
+                    arrival_time=0.0, slo=SLO(20.0, 0.5))
+    inter = Request("inter", list(range(16)), SamplingParams(max_tokens=4, ignore_eos=True),
+                    arrival_time=inter_arrival, slo=SLO(1.0, 0.05))
+    return sched, clock, batch, inter
+
+
 def test_lvf_serves_the_earliest_ttft_deadline_first_while_everything_fits() -> None:
     """Memory and seats to spare (LVF's plain-FCFS step), the token budget binding: an
     interactive prompt (1 s TTFT SLO) that arrived after a batch-class one (20 s) gets the
@@ -353,14 +369,7 @@ def test_lvf_serves_the_earliest_ttft_deadline_first_while_everything_fits() -> 
     (In arrival order the simulator's mixed-SLO run, gh200 artifact settings at 20 req/s,
     gave batch-class prompts that had waited 2 s the budget while interactive ones went
     late: docs/sim/issue18.)"""
-    clock = [0.6]
-    sched = Scheduler(SchedulerConfig(num_device_blocks=64, num_host_blocks=64, block_size=4,
-                                      max_batched_tokens=8, eager_budget_blocks=0),
-                      make_policy("lvf"), clock=lambda: clock[0])
-    batch = Request("batch", list(range(16)), SamplingParams(max_tokens=4, ignore_eos=True),
-                    arrival_time=0.0, slo=SLO(20.0, 0.5))
-    inter = Request("inter", list(range(16)), SamplingParams(max_tokens=4, ignore_eos=True),
-                    arrival_time=0.5, slo=SLO(1.0, 0.05))
+    sched, clock, batch, inter = _batch_and_interactive(0.6, 64, inter_arrival=0.5)
     sched.add_request(batch)
     sched.add_request(inter)
     assert sched.everything_fits()
@@ -383,14 +392,7 @@ def test_lvf_ranks_slo_classes_by_slack_in_seconds_when_memory_is_short() -> Non
     each request's own SLO the batch one went first; in the simulator's mixed-SLO run,
     gh200 artifact settings at 20 req/s, two interactive requests then missed their TTFT
     deadline behind batch-class prompts with seconds to spare: docs/sim/issue18.)"""
-    clock = [13.0]
-    sched = Scheduler(SchedulerConfig(num_device_blocks=8, num_host_blocks=64, block_size=4,
-                                      max_batched_tokens=8, eager_budget_blocks=0),
-                      make_policy("lvf"), clock=lambda: clock[0])
-    batch = Request("batch", list(range(16)), SamplingParams(max_tokens=4, ignore_eos=True),
-                    arrival_time=0.0, slo=SLO(20.0, 0.5))
-    inter = Request("inter", list(range(16)), SamplingParams(max_tokens=4, ignore_eos=True),
-                    arrival_time=12.6, slo=SLO(1.0, 0.05))
+    sched, _, batch, inter = _batch_and_interactive(13.0, 8, inter_arrival=12.6)
     sched.add_request(batch)
     assert sched.policy.lag_unit_s is None  # one class: each request's own SLO
     sched.add_request(inter)
