@@ -279,6 +279,8 @@ class Scheduler:
         if reason is not FinishReason.ABORT:
             self.stats.finished += 1
             self.turnover.record(now)
+        if not self.requests:
+            self.turnover.stop(now)
 
     # -- one iteration ------------------------------------------------------------------------
     def complete_transfer(self, fence: int) -> None:
@@ -454,9 +456,19 @@ class Scheduler:
         while waiting-first, rotating later, kept 99.9 % of gaps at gh200 defaults. The
         wait is a mean: a candidate also keeps `lazy_margin` of its TTFT SLO to spare (at
         0, Mixtral at 60 req/s admitted them at the last moment, p50 TTFT 4.4 s of 5: TPOT
-        79.9 -> 71.3 %, goodput 24.5 -> 21.6 req/s; at 0.25, 78.9 % and 24.5)."""
+        79.9 -> 71.3 %, goodput 24.5 -> 21.6 req/s; at 0.25, 78.9 % and 24.5).
+
+        Only new requests' deadlines make rotation needed, not parked ones': a parked
+        request ranks behind new ones until its VLT overtakes theirs, so a rotation for
+        it seated a new request at the head and parked one more running request, whose
+        own deadline then asked for the next (measured on the real stack at 1.5x
+        saturation: every rotation past the first seconds came from a parked request 7-10
+        places back, and LVF parked 56-81 requests for seconds while its p99 TTFT stayed
+        at 3.7-5 s of a 10 s SLO; docs/sim/issue18/real_stack, 2026-12-03). A parked
+        request comes back as its VLT rises, or into free blocks."""
         seen: list[Request] = []
         needed = False
+        rotary = RequestState.ROTARY
         rate = None
         margin = self.policy.limits.lazy_margin
         k = 0
@@ -473,7 +485,9 @@ class Scheduler:
                     needed = True  # too few seats free on their own to wait for
                     break
             k += 1
-            if slack < k / rate + margin * q.slo.ttft_s:
+            # A parked candidate takes a seat before those behind it, but its own slack
+            # triggers no rotation (the docstring's last paragraph).
+            if q.state is not rotary and slack < k / rate + margin * q.slo.ttft_s:
                 needed = True
                 break
             if k >= self.LAZY_SCAN:

@@ -207,6 +207,57 @@ def test_lvf_rotates_only_when_finishing_requests_would_not_seat_a_candidate_in_
             break
 
 
+def test_a_parked_request_near_its_deadline_does_not_make_lvf_rotate() -> None:
+    """Seats full, 4 finishes a second. A new request with 4.5 s of its 5 s TTFT SLO left
+    heads LVF's order; second comes a request that must not wait past 0.3 s: new, LVF
+    rotates for it (0.5 s to its seat + the 1.25 s margin), but parked, not: a rotation
+    would seat the new request at the head and park another running one (on the real
+    stack at 1.5x saturation, such rotations parked 56-81 requests per pass)."""
+    sched, clock = _two_seats(RotationLimits())
+    now = 10.5
+    for i in range(1, 10 * 4 + 1):
+        sched.turnover.record(now - 10.0 + i / 4)
+    assert sched.turnover.rate(now, 5.0) == pytest.approx(4.0)
+    head = Request("head", [4, 5, 6], SamplingParams(max_tokens=4, ignore_eos=True),
+                   arrival_time=10.0, slo=SLO(5.0, 1.0))
+
+    def second(state: RequestState) -> Request:
+        r = Request("second", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True),
+                    arrival_time=0.0, slo=SLO(5.0, 0.1))
+        if state is RequestState.ROTARY:  # 10 tokens out, first at 9 s: due at 10.8 s
+            r.first_token_time = 9.0
+            r.output_token_ids.extend([7] * 10)
+        else:  # its TTFT deadline 0.3 s away (two 10 ms batches before 10.82 s)
+            r.arrival_time = 5.82
+        r.set_state(state, 9.5)
+        return r
+
+    for state, needed in ((RequestState.WAITING, True), (RequestState.ROTARY, False)):
+        r = second(state)
+        assert sched.policy.slack_s(r, now) == pytest.approx(0.3)
+        assert sched._rotation_needed(iter([head, r]), now)[0] is needed, state
+
+
+def test_turnover_leaves_idle_spells_out_of_the_rate() -> None:
+    """Four finishes in the first 4 s, then nothing live until 30 s: at 31 s the rate over
+    5 s reaches back over the idle spell (0.8 a second), not 0 (which made LVF rotate
+    eagerly at the start of every burst that followed an idle server)."""
+    from scheduler_svc.turnover import Turnover
+    t = Turnover(max_window_s=60.0)
+    t.start(0.0)
+    for x in (1.0, 2.0, 3.0, 4.0):
+        t.record(x)
+    t.stop(4.0)
+    assert t.rate(10.0, 5.0) == pytest.approx(4 / 4)  # idle since 4 s: 4 s of history
+    t.start(30.0)
+    assert t.rate(31.0, 5.0) == pytest.approx(4 / 5)  # 1 s now + 4 s before the spell
+    t.record(31.0)
+    assert t.rate(31.0, 1.0) == pytest.approx(1.0)  # the last busy second alone
+    t.stop(31.0)
+    t.start(40.0)
+    assert t.rate(41.0, 3.0) == pytest.approx(2 / 3)  # 1 s + 1 s + 1 s, both spells out
+
+
 def test_turnover_counts_finishes_per_second_over_the_window() -> None:
     from scheduler_svc.turnover import Turnover
     t = Turnover(max_window_s=10.0)
