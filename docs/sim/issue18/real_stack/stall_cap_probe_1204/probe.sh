@@ -1,3 +1,5 @@
+# From the repository root, with stall_cap.diff applied (git apply); results went to
+# /tmp/runs/probe and were copied here (results.json, table.md, attainment.png, command.txt).
 set -x
 export SUPERINFER_STALL_CAP=2.5
 B=/tmp/runs/probe
