@@ -496,7 +496,11 @@ def test_prometheus_reads_nonzero_rates_of_tokens_and_rotations(served: Served) 
                  "sum(rate(vllm:generation_tokens_total[1m]))",
                  "sum(rate(superinfer_scheduler_rotations_total[1m]))",
                  "sum(rate(vllm:num_preemptions_total[1m]))",
-                 "max_over_time(vllm:num_requests_waiting[1m])"]:
+                 # Running is nonzero for the whole load; waiting and rotary only while
+                 # requests queue, which can fall between two 1 s scrapes (the busy
+                 # scrape above checks those gauges while they move).
+                 "max_over_time(vllm:num_requests_running[1m])",
+                 "max_over_time(vllm:kv_cache_usage_perc[1m])"]:
         result = prom.query(expr, at)
         assert result and float(result[0]["value"][1]) > 0, (expr, result)
 
