@@ -48,6 +48,9 @@ class EngineConfig:
     alpha: float = 0.3
     beta_b: float = 0.0
     beta_f: float = 0.0
+    # LVF: a parked request that has streamed lags at the latest this share of its TTFT SLO
+    # after its last token, so no mid-stream stall outlasts it by much (None: no bound).
+    max_stall: float | None = None
     xfer_budget_blocks: int | None = None  # B_xfer; None = unlimited
     min_residency: int = 32  # iterations; measured in the simulator (docs/sim)
     vlt_margin: float = 0.0
@@ -101,6 +104,9 @@ class EngineConfig:
         for flag, v in (("--beta-b", self.beta_b), ("--beta-f", self.beta_f)):
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"{flag} must be in [0, 1], got {v}")
+        if self.max_stall is not None and not self.max_stall > 0.0:
+            raise ValueError(f"--max-stall must be positive ('none': no bound), got "
+                             f"{self.max_stall}")
         if self.iteration_budget is not None and not 0.0 <= self.iteration_budget <= 1.0:
             raise ValueError(f"--iteration-budget must be in [0, 1] (0: off), got "
                              f"{self.iteration_budget}")
@@ -157,6 +163,10 @@ class EngineConfig:
         s.add_argument("--alpha", type=float, default=0.3)
         s.add_argument("--beta-b", type=float, default=0.0)
         s.add_argument("--beta-f", type=float, default=0.0)
+        s.add_argument("--max-stall", type=_optional_float, default=None,
+                       help="LVF: a parked request that has streamed outranks new ones once "
+                            "it has waited this share of its TTFT SLO since its last token "
+                            "('none': only when its TPOT is at risk)")
         s.add_argument("--xfer-budget-blocks", type=int, default=None, help="B_xfer")
         s.add_argument("--min-residency", type=int, default=32,
                        help="iterations a (re)admitted request is safe from rotation")

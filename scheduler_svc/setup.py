@@ -18,7 +18,7 @@ from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 
 
 def vlt_params(cfg: EngineConfig) -> VLTParams:
-    return VLTParams(cfg.alpha, cfg.beta_b, cfg.beta_f)
+    return VLTParams(cfg.alpha, cfg.beta_b, cfg.beta_f, cfg.max_stall)
 
 
 def rotation_limits(cfg: EngineConfig) -> RotationLimits:

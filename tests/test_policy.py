@@ -24,6 +24,10 @@ def req(rid: str, arrival: float, state: RequestState = RequestState.WAITING,
 
 
 P = VLTParams(alpha=3.0, beta_b=0.0, beta_f=0.5)
+# The inlined arithmetic (merge_key, running_order) is checked against the definitions for
+# each: the defaults, β's, and the stall bound with β_F at 0 and not.
+PARAMS_VARIANTS = [P, VLTParams(), VLTParams(alpha=0.7, beta_b=0.3, beta_f=0.2),
+                   VLTParams(max_stall=0.25), VLTParams(alpha=3.0, beta_f=0.5, max_stall=0.1)]
 
 
 def test_vlt_formulas() -> None:
@@ -354,7 +358,9 @@ def test_lvf_rotates_out_to_free_a_seat() -> None:
 
 
 @pytest.mark.parametrize(("name", "params"), [("lvf", P), ("lvf", VLTParams()), ("fcfs", P),
-                                              ("swapped-first", P), ("waiting-first", P)])
+                                              ("swapped-first", P), ("waiting-first", P),
+                                              ("lvf", VLTParams(max_stall=0.25)),
+                                              ("lvf", VLTParams(beta_f=0.5, max_stall=0.1))])
 def test_lazy_merged_order_equals_the_plain_sort(name: str, params: VLTParams) -> None:
     """The scheduler keeps each policy group sorted and merges them lazily; the result must
     be the order `candidates()` / `running_order()` define, for any mix of SLO classes,
@@ -386,6 +392,10 @@ def test_lazy_merged_order_equals_the_plain_sort(name: str, params: VLTParams) -
             r = req(f"t{trial}-{i}", arrival, state, last_token=last, slo=slo,
                     run_start=round(rng.uniform(arrival, now), 1) if kind == "running" else None)
             r.admitted_iteration = rng.randint(0, 50)
+            if last is not None and rng.random() < 0.5:  # deadlines not in last-token order
+                r.first_token_time = round(rng.uniform(arrival, last), 1)
+                r.output_token_ids = [1] * rng.randint(1, 80)
+                r.sampling = SamplingParams(max_tokens=rng.choice([100, 400, 4000]))
             q = {"rotary": rotary, "running": running}.get(kind, waiting)
             q.append(r)
             members.append((q, r))
@@ -422,7 +432,7 @@ def test_queue_tracks_its_smallest_request() -> None:
     assert q.min_tokens() is None
 
 
-@pytest.mark.parametrize("params", [P, VLTParams(), VLTParams(alpha=0.7, beta_b=0.3, beta_f=0.2)])
+@pytest.mark.parametrize("params", PARAMS_VARIANTS)
 def test_lvf_merge_key_is_the_vlt_definitions(params: VLTParams) -> None:
     """LVF's merge key computes is_late, lag_anchor and vlt in one pass (the admission walk
     asks it of hundreds of candidates per iteration): bit for bit the definitions'."""
@@ -458,7 +468,7 @@ def test_lvf_merge_key_is_the_vlt_definitions(params: VLTParams) -> None:
     assert len(seen) == 12  # every state, started or not, late and on time
 
 
-@pytest.mark.parametrize("params", [P, VLTParams(), VLTParams(alpha=0.7, beta_b=0.3, beta_f=0.2)])
+@pytest.mark.parametrize("params", PARAMS_VARIANTS)
 def test_lvf_running_order_is_the_vlt_definitions(params: VLTParams) -> None:
     """LVF ranks the running requests with vlt()'s arithmetic inlined, once per iteration,
     and may_preempt reuses those VLTs for its victims at the same time: the order is the
@@ -547,11 +557,12 @@ def test_lvf_refiles_its_queues_when_the_batch_time_moves() -> None:
     """A parked request's deadline depends on the measured time between tokens, so its
     place in the rotary queue does too: when the mean moves by more than a tenth, LVF says
     so and the queue is re-filed (as the scheduler does), keeping the lazy order the
-    definition's. Without the re-filing the order below would be stale."""
+    definition's. Without the re-filing the order below would be stale. (No stall bound:
+    with it both would rank by their last tokens here, whatever the gap.)"""
     from scheduler_svc.queue import RequestQueue
     from scheduler_svc.scheduler import _merge
 
-    lvf = make_policy("lvf", VLTParams())
+    lvf = make_policy("lvf", VLTParams(max_stall=None))
     rotary = RequestQueue(lambda r: lvf.order_key(r, True))
     # Both parked since their 10th token: "long" due at 5.8 with 190 tokens to go, "short"
     # due at 5.9 with 20.
@@ -603,3 +614,75 @@ def test_a_prompt_chunk_leaves_a_token_for_each_decode_behind_it() -> None:
     out = s.schedule()
     tokens = {c.request_id: len(c.token_ids) for c in out.chunks}
     assert tokens == {"long": 4, "d0": 1, "d1": 1, "d2": 1, "d3": 1}
+
+
+def test_max_stall_caps_a_parked_streams_slack_but_never_makes_it_late() -> None:
+    """The CPU stack's case (S_B 10 s, S_F 0.3 s, 20 ms iterations): a request parked 16
+    tokens into 64, streamed at 20 ms, keeps 13 s of catch-up past its due time, so without
+    a bound new requests outrank it for that long (measured: 16-18 s stalls per pass,
+    docs/sim/issue18/real_stack). With max_stall m its slack counts only until m·S_B after
+    its last token; whether it is late still follows its deadline."""
+    from scheduler_svc.policy.vlt import lag_anchor
+
+    slo = SLO(10.0, 0.3)
+    for cap in (None, 0.25):
+        lvf = make_policy("lvf", VLTParams(max_stall=cap))
+        lvf.observe_iteration(0.02)
+        parked = req("parked", -1.0, RequestState.ROTARY, last_token=0.0, slo=slo)
+        parked.first_token_time, parked.output_token_ids = -0.3, [1] * 16
+        parked.sampling = SamplingParams(max_tokens=64)
+        # due at -0.3 + 16 × 0.3 = 4.5, plus 48 × 0.28 − 0.3 of catch-up
+        assert deadline(parked, lvf.gap_s) == pytest.approx(4.5 + 48 * 0.28 - 0.3)
+        assert lag_anchor(parked, lvf.params, lvf.gap_s) == pytest.approx(
+            4.5 + 48 * 0.28 - 0.3 if cap is None else 2.5)
+        new = req("new", 2.0, slo=slo)  # 9 s of TTFT slack at 3.0
+        order = [r.request_id for r in lvf.candidates([new], [parked], 3.0)]
+        assert order == (["new", "parked"] if cap is None else ["parked", "new"])
+        assert not lvf.is_late(parked, 17.0) and lvf.is_late(parked, 18.0)
+        # Running, the same request keeps its whole slack: victims are still chosen by it.
+        parked.state = RequestState.RUNNING
+        assert lag_anchor(parked, lvf.params, lvf.gap_s) == pytest.approx(4.5 + 48 * 0.28 - 0.3)
+
+
+def test_max_stall_reaches_the_policy_from_the_flags() -> None:
+    from common.config import EngineConfig
+    from scheduler_svc.setup import vlt_params
+    from superinfer.sim.engine import PolicyVariant, SimConfig
+
+    assert vlt_params(EngineConfig()).max_stall is None  # off by default (module doc)
+    assert vlt_params(EngineConfig(max_stall=0.25)).max_stall == 0.25
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="max.stall"):
+            EngineConfig(max_stall=bad)
+    assert PolicyVariant.parse("lvf:stall=0.5").apply(SimConfig()).max_stall == 0.5
+    assert PolicyVariant.parse("lvf:stall=none").apply(SimConfig(max_stall=0.5)).max_stall is None
+
+
+def test_with_the_stall_bound_late_parked_requests_leave_their_run_from_any_place() -> None:
+    """A rotary run is sorted by lag anchor. Without the bound that is the deadline, so the
+    late requests are its prefix; with it a request with much slack but an old last token
+    sorts before late ones, and the lazy merge must still yield the plain order."""
+    import random
+
+    from scheduler_svc.queue import RequestQueue
+    from scheduler_svc.scheduler import _merge
+
+    rng = random.Random(1)
+    for trial in range(20):
+        lvf = make_policy("lvf", VLTParams(max_stall=0.25))
+        if trial % 2:
+            lvf.observe_iteration(0.02)
+        rotary = RequestQueue(lambda r, p=lvf: p.order_key(r, True))
+        waiting = RequestQueue(lambda r, p=lvf: p.order_key(r, False))
+        for i in range(40):
+            last = rng.uniform(50.0, 100.0)
+            r = req(f"r{trial}-{i}", 0.0, RequestState.ROTARY, last_token=last)
+            r.first_token_time, r.output_token_ids = rng.uniform(0.0, last), [1] * rng.randint(1, 800)
+            r.sampling = SamplingParams(max_tokens=rng.choice([900, 4000]))
+            rotary.append(r)
+        for i in range(10):
+            waiting.append(req(f"n{trial}-{i}", rng.uniform(90.0, 100.0)))
+        runs = lvf.candidate_runs(waiting.groups() + rotary.groups(), 100.0)
+        lazy = [r.request_id for r in _merge(runs, lvf.merge_key, 100.0)]
+        plain = [r.request_id for r in lvf.candidates(waiting.list(), rotary.list(), 100.0)]
+        assert lazy == plain

@@ -16,8 +16,9 @@ SLO, a request parked past its pace catches up within its remaining tokens, and 
 it as late starved it while arrivals continued (docs/sim/issue18/real_stack, 1.5×).
 
 Groups for the lazy order (see policy/base.py): VLT depends on time only through
-`now - anchor`, where the anchor is the arrival (no token yet) or the deadline (a started
-request not running), scaled by the request's own SLO. Requests with the same formula and
+`now - anchor`, where the anchor is the arrival (no token yet) or, for a started request
+not running, the earlier of its deadline and its stall bound (its last token plus
+`max_stall` of its TTFT SLO), scaled by the request's own SLO. Requests with the same formula and
 the same SLO therefore keep their relative order while the time between tokens the
 deadlines use stays put: one group per (formula, SLO), sorted by anchor; each group's late
 prefix is split off as a run of its own (`candidate_runs`). That time follows the batches'
@@ -135,6 +136,9 @@ class LVFPolicy(Policy):
             if extra > 0.0:
                 dl = dl + extra
         anchor = dl - p.beta_f * k * tbt
+        last, cap = req.last_token_time, p.max_stall  # vlt.stall_anchor
+        if cap is not None and last is not None and req.state is not RequestState.RUNNING:
+            anchor = min(anchor, last + cap * slo.ttft_s)
         if now > dl:  # late
             return (1.0, anchor, req.arrival_time)
         lag = (now - anchor) / slo.ttft_s
@@ -145,14 +149,16 @@ class LVFPolicy(Policy):
 
     def candidate_runs(self, runs: list[list[Entry]], now: float) -> list[list[Entry]]:
         # Each group is sorted by lag anchor; its late requests become a run of their own.
-        # Where the anchor is the deadline (new requests; started ones with beta_f = 0) the
-        # late ones are a prefix, else any of the run.
+        # Where the anchor is the deadline (new requests; started ones with beta_f = 0 and
+        # no stall bound) the late ones are a prefix, else any of the run.
         out = []
         late_now = self.is_late
+        p = self.params
+        deadline_anchors = p.beta_f == 0.0 and p.max_stall is None
         for run in runs:
             if not run:
                 continue
-            if run[0][2].first_token_time is None or self.params.beta_f == 0.0:
+            if run[0][2].first_token_time is None or deadline_anchors:
                 cut = bisect.bisect_left(run, True, key=lambda e: not late_now(e[2], now))
                 late, on_time = run[:cut], (run[cut:] if cut else run)
             else:
@@ -177,7 +183,7 @@ class LVFPolicy(Policy):
         # kept for may_preempt, whose victims are these requests at this same `now`.
         # tests/test_policy.py checks both against the definitions.
         p, gap, unit = self.params, self.gap_s, self.lag_unit_s
-        alpha, beta_f, beta_b = p.alpha, p.beta_f, p.beta_b
+        alpha, beta_f, beta_b, cap = p.alpha, p.beta_f, p.beta_b, p.max_stall
         vlts: dict[str, float] = {}
         keyed = []
         for i, r in enumerate(running):
@@ -196,6 +202,9 @@ class LVFPolicy(Policy):
                             dl = dl + extra
                 if beta_f:  # lag_anchor (with β_F = 0, the default, it is the deadline)
                     dl = dl - beta_f * k * tbt
+                last = r.last_token_time  # stall_anchor: only a request not running
+                if cap is not None and last is not None and r.state is not RequestState.RUNNING:
+                    dl = min(dl, last + cap * slo.ttft_s)
                 lag = (now - dl) / slo.ttft_s
                 v = alpha * lag if lag >= 0.0 else lag / alpha
                 if unit is not None:

@@ -7,7 +7,7 @@
     superinfer sim fidelity --experiment results.json   # vs the real stack (bench experiment)
 
 A policy entry may carry per-run overrides, e.g. `lvf:xfer=300:layout=layer-first:duplex=off:
-eager=0:label=lvf-vllm-offload` (keys: alpha, beta_b, beta_f, xfer, min_res, margin, eager,
+eager=0:label=lvf-vllm-offload` (keys: alpha, beta_b, beta_f, stall, xfer, min_res, margin, eager,
 layout, duplex, pipeline, tbt_budget, prefill, cost, label), so one command can run an
 ablation.
 """
@@ -126,6 +126,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--alpha", type=float, default=_D.alpha)
     s.add_argument("--beta-b", type=float, default=_D.beta_b)
     s.add_argument("--beta-f", type=float, default=_D.beta_f)
+    s.add_argument("--max-stall", type=_optional_float, default=_D.max_stall,
+                   help="LVF: share of the TTFT SLO a parked, streaming request waits before "
+                        "it outranks new ones ('none': no bound)")
     s.add_argument("--xfer-budget-blocks", type=_budget, default=AUTO,
                    help="B_xfer: a count, 'none' (unlimited) or 'auto' (the link's 50 ms worth)")
     s.add_argument("--min-residency", type=int, default=_D.min_residency,
@@ -188,6 +191,7 @@ def build_config(args: argparse.Namespace) -> SimConfig:
         alpha=args.alpha,
         beta_b=args.beta_b,
         beta_f=args.beta_f,
+        max_stall=args.max_stall,
         xfer_budget_blocks=args.xfer_budget_blocks,
         min_residency=args.min_residency,
         vlt_margin=args.vlt_margin,

@@ -71,6 +71,7 @@ class SimConfig:
     alpha: float = _ENGINE.alpha
     beta_b: float = _ENGINE.beta_b
     beta_f: float = _ENGINE.beta_f
+    max_stall: float | None = _ENGINE.max_stall
     xfer_budget_blocks: int | None = AUTO  # B_xfer; None: unlimited
     min_residency: int = _ENGINE.min_residency
     vlt_margin: float = _ENGINE.vlt_margin
@@ -124,7 +125,7 @@ class SimConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise SimulationError(f"max_model_len must be at least 2, got {self.max_model_len}")
         try:
-            VLTParams(self.alpha, self.beta_b, self.beta_f)
+            VLTParams(self.alpha, self.beta_b, self.beta_f, self.max_stall)
             SLO(self.ttft_slo, self.tbt_slo)
         except ValueError as e:
             raise SimulationError(str(e)) from None
@@ -140,6 +141,9 @@ _VARIANT_KEYS = {
     "beta-b": ("beta_b", float),
     "beta_f": ("beta_f", float),
     "beta-f": ("beta_f", float),
+    "stall": ("max_stall", "optional_float"),
+    "max_stall": ("max_stall", "optional_float"),
+    "max-stall": ("max_stall", "optional_float"),
     "xfer": ("xfer_budget_blocks", "budget"),
     "min_res": ("min_residency", int),
     "min-residency": ("min_residency", int),
@@ -304,7 +308,7 @@ class Simulator:
         c = self.cfg
         policy = make_policy(
             self.policy_name,
-            VLTParams(c.alpha, c.beta_b, c.beta_f),
+            VLTParams(c.alpha, c.beta_b, c.beta_f, c.max_stall),
             RotationLimits(self.xfer_budget, c.min_residency, c.vlt_margin, c.hold_vlt,
                            c.iteration_budget, c.prefill_within, c.lazy_rotation,
                            c.lazy_margin),
