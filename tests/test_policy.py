@@ -686,3 +686,13 @@ def test_with_the_stall_bound_late_parked_requests_leave_their_run_from_any_plac
         lazy = [r.request_id for r in _merge(runs, lvf.merge_key, 100.0)]
         plain = [r.request_id for r in lvf.candidates(waiting.list(), rotary.list(), 100.0)]
         assert lazy == plain
+
+
+def test_the_decision_cost_bench_runs_lvf_with_and_without_the_stall_bound() -> None:
+    """`superinfer bench sched --max-stall` (the cost docs/sim/issue18/README.md quotes):
+    both variants reach a steady state with requests running, waiting and rotating."""
+    from superinfer.bench.sched import measure
+
+    for stall in (None, 0.25):
+        r = measure(300, "lvf", iterations=3, max_stall=stall)
+        assert r["running"] > 0 and r["waiting"] + r["rotary"] > 0 and r["rotations"] > 0

@@ -41,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iterations", type=int, default=30, help="timed schedule() calls")
     p.add_argument("--xfer-budget-blocks", type=int, default=2400, help="B_xfer (GH200 default)")
     p.add_argument("--min-residency", type=int, default=32)
+    p.add_argument("--max-stall", type=float, default=None,
+                   help="LVF's stall bound, a share of the TTFT SLO (default: off)")
     p.add_argument("--prefix-caching", default="off",
                    help="off, on, or both (off,on): automatic prefix caching in the scheduler")
     p.add_argument("--json", default=None, help="write results to this JSON file")
@@ -48,13 +50,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def measure(live: int, policy: str, iterations: int, xfer_budget: int | None = 2400,
             min_residency: int = 32, seed: int = 0,
-            max_num_seqs: int = 256, prefix_caching: bool = False) -> dict[str, float]:
+            max_num_seqs: int = 256, prefix_caching: bool = False,
+            max_stall: float | None = None) -> dict[str, float]:
     rng = random.Random(seed)
     tokens = random.Random(seed + 1)  # distinct prompts: nothing for a prefix cache to find
     clock = [0.0]
     bs = 16
     # Device memory for about a third of the live requests' KV: rotation is in play.
-    pol = make_policy(policy, VLTParams(), RotationLimits(xfer_budget, min_residency))
+    pol = make_policy(policy, VLTParams(max_stall=max_stall), RotationLimits(xfer_budget, min_residency))
     cost = OnlineIterationCost() if pol.iteration_target_s(0.1) is not None else None
     sched = Scheduler(
         SchedulerConfig(num_device_blocks=live * 2, num_host_blocks=live * 8, block_size=bs,
@@ -106,11 +109,13 @@ def measure(live: int, policy: str, iterations: int, xfer_budget: int | None = 2
 def run(args: argparse.Namespace) -> int:
     modes = [m.strip() == "on" for m in args.prefix_caching.split(",")]
     rows = [measure(int(n), args.policy, args.iterations, args.xfer_budget_blocks,
-                    args.min_residency, max_num_seqs=int(m), prefix_caching=pc)
+                    args.min_residency, max_num_seqs=int(m), prefix_caching=pc,
+                    max_stall=args.max_stall)
             for m in args.max_num_seqs.split(",") for n in args.live.split(",") for pc in modes]
     keys = ["live", "max_num_seqs", "prefix_caching", "running", "waiting", "rotary", "mean_ms",
             "p50_ms", "max_ms", "cpu_p50_ms", "cpu_max_ms", "rotations", "time_budget"]
-    print(f"schedule() cost, policy {args.policy}")
+    stall = "" if args.max_stall is None else f", max stall {args.max_stall}"
+    print(f"schedule() cost, policy {args.policy}{stall}")
     print(table(keys, [[r[k] for k in keys] for r in rows]))
-    write_json(args.json, {"policy": args.policy, "results": rows})
+    write_json(args.json, {"policy": args.policy, "max_stall": args.max_stall, "results": rows})
     return 0
