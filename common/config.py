@@ -48,8 +48,8 @@ class EngineConfig:
     alpha: float = 0.3
     beta_b: float = 0.0
     beta_f: float = 0.0
-    # LVF: a parked request that has streamed lags at the latest this share of its TTFT SLO
-    # after its last token, so no mid-stream stall outlasts it by much (None: no bound).
+    # LVF: a parked request that has streamed counts its slack only until this share of its
+    # TTFT SLO after its last token (policy/vlt.py, measured there; None: no bound).
     max_stall: float | None = None
     xfer_budget_blocks: int | None = None  # B_xfer; None = unlimited
     min_residency: int = 32  # iterations; measured in the simulator (docs/sim)

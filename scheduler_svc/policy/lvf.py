@@ -18,9 +18,9 @@ it as late starved it while arrivals continued (docs/sim/issue18/real_stack, 1.5
 Groups for the lazy order (see policy/base.py): VLT depends on time only through
 `now - anchor`, where the anchor is the arrival (no token yet) or, for a started request
 not running, the earlier of its deadline and its stall bound (its last token plus
-`max_stall` of its TTFT SLO), scaled by the request's own SLO. Requests with the same formula and
-the same SLO therefore keep their relative order while the time between tokens the
-deadlines use stays put: one group per (formula, SLO), sorted by anchor; each group's late
+`max_stall` of its TTFT SLO), scaled by the request's own SLO. Requests with the same
+formula and the same SLO therefore keep their relative order while the time between
+tokens the deadlines use stays put: one group per (formula, SLO), sorted by anchor; each group's late
 prefix is split off as a run of its own (`candidate_runs`). That time follows the batches'
 mean in 10 % steps, and each step re-files the queues. Running requests' deadlines move
 with their tokens: the scheduler sorts them each iteration (`static_running_order`).
@@ -136,9 +136,11 @@ class LVFPolicy(Policy):
             if extra > 0.0:
                 dl = dl + extra
         anchor = dl - p.beta_f * k * tbt
-        last, cap = req.last_token_time, p.max_stall  # vlt.stall_anchor
-        if cap is not None and last is not None and req.state is not RequestState.RUNNING:
-            anchor = min(anchor, last + cap * slo.ttft_s)
+        cap = p.max_stall
+        if cap is not None:  # vlt.stall_anchor: only a request not running
+            last = req.last_token_time
+            if last is not None and req.state is not RequestState.RUNNING:
+                anchor = min(anchor, last + cap * slo.ttft_s)
         if now > dl:  # late
             return (1.0, anchor, req.arrival_time)
         lag = (now - anchor) / slo.ttft_s
@@ -184,6 +186,7 @@ class LVFPolicy(Policy):
         # tests/test_policy.py checks both against the definitions.
         p, gap, unit = self.params, self.gap_s, self.lag_unit_s
         alpha, beta_f, beta_b, cap = p.alpha, p.beta_f, p.beta_b, p.max_stall
+        running_state = RequestState.RUNNING  # (an Enum member lookup is slow: a local)
         vlts: dict[str, float] = {}
         keyed = []
         for i, r in enumerate(running):
@@ -202,9 +205,10 @@ class LVFPolicy(Policy):
                             dl = dl + extra
                 if beta_f:  # lag_anchor (with β_F = 0, the default, it is the deadline)
                     dl = dl - beta_f * k * tbt
-                last = r.last_token_time  # stall_anchor: only a request not running
-                if cap is not None and last is not None and r.state is not RequestState.RUNNING:
-                    dl = min(dl, last + cap * slo.ttft_s)
+                if cap is not None:  # stall_anchor: only a request not running
+                    last = r.last_token_time
+                    if last is not None and r.state is not running_state:
+                        dl = min(dl, last + cap * slo.ttft_s)
                 lag = (now - dl) / slo.ttft_s
                 v = alpha * lag if lag >= 0.0 else lag / alpha
                 if unit is not None:
