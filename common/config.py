@@ -65,6 +65,9 @@ class EngineConfig:
     # finishing requests free (False: whenever it lags more than a running request).
     lazy_rotation: bool = True
     lazy_margin: float = 0.25  # ... with this share of the candidate's TTFT SLO to spare
+    # ... and where none is needed, parked requests go ahead of new ones for as many seats
+    # as the new ones can spare (Scheduler._rotation_needed; off: measured there).
+    parked_first: bool = False
     eager_budget_blocks: int = 32
     # Automatic prefix caching (vLLM's flag): requests share the KV of full blocks whose
     # tokens (and all before them) match; freed ones stay cached on the device and, through
@@ -188,6 +191,10 @@ class EngineConfig:
         s.add_argument("--lazy-margin", type=float, default=0.25,
                        help="LVF's lazy rotation: preempt once a candidate's slack is under "
                             "that wait plus this share of its TTFT SLO")
+        s.add_argument("--parked-first", action=argparse.BooleanOptionalAction, default=False,
+                       help="LVF's lazy rotation: where no rotation is needed, parked "
+                            "requests go ahead of new ones for as many seats as the new "
+                            "ones can spare by the same estimate")
         s.add_argument("--eager-budget-blocks", type=int, default=32)
         s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=True,

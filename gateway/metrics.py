@@ -124,6 +124,9 @@ SCHEDULER_SERIES: dict[str, Series] = {
     # rotation (RotaSched)
     "preemptions": _counter(_S + "preemptions",
                             "Running requests taken off the device: rotated out or recomputed"),
+    "growth_preemptions": _counter(_S + "growth_preemptions",
+                                   "Preemptions that gave a running request the blocks its "
+                                   "next tokens need (the rest: for a candidate)"),
     "rotations": _counter(_S + "rotations", "Requests rotated out to the host pool"),
     "recomputes": _counter(_S + "recomputes",
                            "Preempted requests sent back to waiting to recompute their KV"),

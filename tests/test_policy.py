@@ -658,6 +658,18 @@ def test_max_stall_reaches_the_policy_from_the_flags() -> None:
     assert PolicyVariant.parse("lvf:stall=none").apply(SimConfig(max_stall=0.5)).max_stall is None
 
 
+def test_parked_first_reaches_the_policy_from_the_flags() -> None:
+    from common.config import EngineConfig
+    from scheduler_svc.setup import rotation_limits
+    from superinfer.sim.engine import PolicyVariant, SimConfig
+
+    assert not rotation_limits(EngineConfig()).parked_first  # off by default (measured)
+    assert rotation_limits(EngineConfig(parked_first=True)).parked_first
+    assert PolicyVariant.parse("lvf:parked_first=on").apply(SimConfig()).parked_first
+    assert not PolicyVariant.parse("lvf:parked_first=off").apply(
+        SimConfig(parked_first=True)).parked_first
+
+
 def test_with_the_stall_bound_late_parked_requests_leave_their_run_from_any_place() -> None:
     """A rotary run is sorted by lag anchor. Without the bound that is the deadline, so the
     late requests are its prefix; with it a request with much slack but an old last token

@@ -238,6 +238,70 @@ def test_a_parked_request_near_its_deadline_does_not_make_lvf_rotate() -> None:
         assert sched._rotation_needed(iter([head, r]), now)[0] is needed, state
 
 
+@pytest.mark.parametrize("head_slack, parked_first, first", [
+    (4.5, True, "parked"),  # the new request can spare (4.5 - 1.25) * 4 - 1 = 12 seats
+    (1.6, True, "head"),  # (1.6 - 1.25) * 4 - 1 = 0.4: not one
+    (4.5, False, "head"),  # off: the policy's order
+])
+def test_parked_requests_go_ahead_of_new_ones_that_can_spare_the_seats(
+        head_slack: float, parked_first: bool, first: str) -> None:
+    """Seats full, 4 finishes a second, no rotation needed. A parked request that has
+    streamed goes ahead of the new one that heads LVF's order where the new one's slack
+    covers the extra seat (on the real stack at 1.5x, LVF seated new requests with 8-9 s
+    of a 10 s SLO left while parked ones stalled), and admission holds blocks for it."""
+    sched, clock = _two_seats(RotationLimits(parked_first=parked_first))
+    now = 10.5
+    for i in range(1, 10 * 4 + 1):
+        sched.turnover.record(now - 10.0 + i / 4)
+    gap = sched.policy.gap_s
+    assert gap is not None
+    head = Request("head", [4, 5, 6], SamplingParams(max_tokens=4, ignore_eos=True),
+                   arrival_time=now - 5.0 + 2 * gap + head_slack, slo=SLO(5.0, 1.0))
+    parked = Request("parked", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True),
+                     arrival_time=0.0, slo=SLO(5.0, 1.0))
+    parked.first_token_time = 9.0
+    parked.output_token_ids.extend([7] * 10)
+    parked.set_state(RequestState.ROTARY, 9.5)
+    assert sched.policy.slack_s(head, now) == pytest.approx(head_slack)
+    needed, queue, hold = sched._rotation_needed(iter([head, parked]), now)
+    assert not needed
+    order = [q.request_id for q in queue]
+    assert order[0] == first and sorted(order) == ["head", "parked"]
+    assert hold == (frozenset({"parked"}) if first == "parked" else frozenset())
+
+
+@pytest.mark.parametrize("parked_first", [True, False])
+def test_a_new_request_is_not_seated_past_a_parked_one_that_goes_first(
+        parked_first: bool) -> None:
+    """Eight device blocks: two decodes grow until LVF parks one (b). A new request with
+    its whole TTFT SLO left fits the free blocks and b does not. With parked_first, b goes
+    first and the free blocks wait for it (seating the new one would take them); off, the
+    new request is seated past it."""
+    clock = [0.0]
+    sched = Scheduler(SchedulerConfig(num_device_blocks=8, num_host_blocks=64, block_size=4,
+                                      max_num_seqs=4, pipelined=False),
+                      make_policy("lvf", VLTParams(), RotationLimits(parked_first=parked_first)),
+                      clock=lambda: clock[0])
+    for rid in ("a", "b"):
+        sched.add_request(Request(rid, list(range(1, 9)),
+                                  SamplingParams(max_tokens=40, ignore_eos=True),
+                                  arrival_time=0.0, slo=SLO(5.0, 1.0)))
+    while "b" in sched.requests and sched.requests["b"].state is not RequestState.ROTARY:
+        _step(sched, clock)
+    assert sched.requests["a"].state is RequestState.RUNNING
+    now = clock[0]
+    for j in range(40):  # finishes often enough to wait for (Scheduler.LAZY_MIN_FINISHES)
+        sched.turnover.record(now * j / 40)
+    sched.add_request(Request("n", [1, 2, 3, 4], SamplingParams(max_tokens=4, ignore_eos=True),
+                              arrival_time=now, slo=SLO(5.0, 1.0)))
+    free = sched.bm.num_free_for_compute
+    assert 1 <= free < sched.bm.admission(sched.requests["b"], 512)[1]  # n fits, b does not
+    _step(sched, clock)
+    assert sched.requests["b"].state is RequestState.ROTARY
+    n_state = sched.requests["n"].state
+    assert n_state is (RequestState.WAITING if parked_first else RequestState.RUNNING)
+
+
 def test_turnover_leaves_idle_spells_out_of_the_rate() -> None:
     """Four finishes in the first 4 s, then nothing live until 30 s: at 31 s the rate over
     5 s reaches back over the idle spell (0.8 a second), not 0 (which made LVF rotate

@@ -148,6 +148,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "for seats that finishing requests free")
     s.add_argument("--lazy-margin", type=float, default=_D.lazy_margin,
                    help="... plus this share of its TTFT SLO")
+    s.add_argument("--parked-first", action=argparse.BooleanOptionalAction,
+                   default=_D.parked_first,
+                   help="LVF: where no rotation is needed, parked requests go ahead of new "
+                        "ones for as many seats as the new ones can spare")
     s.add_argument("--iteration-cost", choices=["online", "model", "none"], default=_D.cost,
                    help="what the scheduler knows of batch times: a fit of the simulated "
                         "executor's times as the service does (online), the cost model "
@@ -200,6 +204,7 @@ def build_config(args: argparse.Namespace) -> SimConfig:
         prefill_within=args.prefill_within,
         lazy_rotation=args.lazy_rotation,
         lazy_margin=args.lazy_margin,
+        parked_first=args.parked_first,
         cost=args.iteration_cost,
         eager_budget_blocks=args.eager_budget_blocks,
         layout=args.layout,

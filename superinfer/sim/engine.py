@@ -80,6 +80,7 @@ class SimConfig:
     prefill_within: float = _ENGINE.prefill_within
     lazy_rotation: bool = _ENGINE.lazy_rotation
     lazy_margin: float = _ENGINE.lazy_margin
+    parked_first: bool = _ENGINE.parked_first
     cost: str = "online"  # what the scheduler knows of iteration times: online, model, none
     eager_budget_blocks: int = AUTO  # 0: no eager copies
     layout: str = "block-first"
@@ -154,6 +155,7 @@ _VARIANT_KEYS = {
     "prefill": ("prefill_within", float),
     "lazy": ("lazy_rotation", "bool"),
     "lazy_margin": ("lazy_margin", float),
+    "parked_first": ("parked_first", "bool"),
     "cost": ("cost", str),
     "eager": ("eager_budget_blocks", "budget"),
     "layout": ("layout", str),
@@ -311,7 +313,7 @@ class Simulator:
             VLTParams(c.alpha, c.beta_b, c.beta_f, c.max_stall),
             RotationLimits(self.xfer_budget, c.min_residency, c.vlt_margin, c.hold_vlt,
                            c.iteration_budget, c.prefill_within, c.lazy_rotation,
-                           c.lazy_margin),
+                           c.lazy_margin, c.parked_first),
         )
         cost: IterationCost | None = None
         if c.cost == "model":
