@@ -488,7 +488,8 @@ class Scheduler:
         rate = None
         margin = self.policy.limits.lazy_margin
         spare = math.inf  # seats every new candidate looked at can still wait for
-        parked: list[Request] = []  # on-time parked candidates looked at, in order
+        parked: list[Request] = []  # on-time parked candidates looked at (parked_first)
+        parked_first = self.policy.limits.parked_first
         k = 0
         for q in queue:
             seen.append(q)
@@ -506,16 +507,18 @@ class Scheduler:
             # A parked candidate takes a seat before those behind it, but its own slack
             # triggers no rotation (the docstring's last paragraph).
             if q.state is rotary:
-                parked.append(q)
+                if parked_first:
+                    parked.append(q)
             else:
                 s = (slack - margin * q.slo.ttft_s) * rate - k
                 if s < 0.0:
                     needed = True
                     break
-                spare = min(spare, s)
+                if s < spare:
+                    spare = s
             if k >= self.LAZY_SCAN:
                 break
-        if needed or not parked or spare < 1.0 or not self.policy.limits.parked_first:
+        if needed or not parked or spare < 1.0:
             return needed, itertools.chain(seen, queue), frozenset()
         first = parked if spare >= len(parked) else parked[:int(spare)]
         ahead = frozenset(q.request_id for q in first)
