@@ -127,6 +127,9 @@ SCHEDULER_SERIES: dict[str, Series] = {
     "growth_preemptions": _counter(_S + "growth_preemptions",
                                    "Preemptions that gave a running request the blocks its "
                                    "next tokens need (the rest: for a candidate)"),
+    "parked_preemptions": _counter(_S + "parked_preemptions",
+                                   "Preemptions that seated a parked (rotary) request: one "
+                                   "started request traded for another"),
     "rotations": _counter(_S + "rotations", "Requests rotated out to the host pool"),
     "recomputes": _counter(_S + "recomputes",
                            "Preempted requests sent back to waiting to recompute their KV"),

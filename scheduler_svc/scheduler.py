@@ -102,6 +102,9 @@ class SchedulerStats:
     # ... of them, to give a running request the blocks its next tokens need (the rest:
     # for a candidate, by the policy's order)
     growth_preemptions: int = 0
+    # ... and to seat a parked (rotary) request: a started request traded for another, which
+    # buys the parked one its pace (TPOT) with the victim's stalled gap (per-gap TBT)
+    parked_preemptions: int = 0
     finished: int = 0
     aborted: int = 0
     decision_s_total: float = 0.0
@@ -613,6 +616,8 @@ class Scheduler:
                 free_only = True
                 fits_waiting, fits_rotary = self._free_fits(plan)
                 continue
+            if rotary:
+                self.stats.parked_preemptions += len(chosen)
             for v in chosen:
                 self._preempt(v, plan)
             n, need, cost = bm.admission(q, plan.budget)

@@ -171,6 +171,11 @@ def test_cli_sweep_writes_table_json_and_plot(tmp_path: Path, capsys: pytest.Cap
         assert k in row
     assert {r["policy"] for r in data["results"]} == {"lvf", "sf"}
     assert png.stat().st_size > 1000
+    # Why requests left the device: the split adds up to the preemptions.
+    assert "why running requests left the device" in text
+    for r in data["results"]:
+        st = r["stats"]
+        assert 0 <= st["growth_preemptions"] + st["parked_preemptions"] <= st["preemptions"]
 
 
 @pytest.mark.parametrize("argv, msg", [

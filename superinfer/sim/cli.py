@@ -42,7 +42,13 @@ from superinfer.sim.profile import (
     load_hardware,
     load_model,
 )
-from superinfer.sim.report import format_classes, format_misses, format_table, result_row
+from superinfer.sim.report import (
+    format_classes,
+    format_misses,
+    format_preemptions,
+    format_table,
+    result_row,
+)
 from superinfer.workload import (
     SYNTHETIC,
     WorkloadError,
@@ -298,6 +304,8 @@ def run(args: argparse.Namespace) -> int:
             print("\nper SLO class:\n" + classes)
         print("\nwhere the missed requests' time went (share of the missed seconds):\n"
               + format_misses(at))
+        print("\nwhy running requests left the device (preemptions):\n"
+              + format_preemptions(at))
     print(f"\n{len(tasks)} runs in {wall:.1f} s")
 
     config = {

@@ -437,6 +437,9 @@ class Simulator:
             "freed_without_copy": s.freed_without_copy,
             "recomputes": s.recomputes,
             "preemptions": s.preemptions,
+            # ... of which a running request needed blocks (the rest: for a candidate)
+            "growth_preemptions": s.growth_preemptions,
+            "parked_preemptions": s.parked_preemptions,  # ... and to seat a parked request
             "decision_s_total": s.decision_s_total,
             "decision_s_max": s.decision_s_max,
             "wall_s": time.perf_counter() - wall0,

@@ -80,6 +80,21 @@ def format_misses(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_preemptions(rows: list[dict[str, Any]]) -> str:
+    """Why running requests left the device, per policy: to seat a new request, to seat a
+    parked one (a started request traded for another), or for a running one's growth."""
+    width = max([len(r["policy"]) for r in rows] + [6])
+    lines = [f"{'policy':<{width}}  {'preempted':>9} {'for new':>8} {'for parked':>10} "
+             f"{'growth':>7} {'recomputed':>10}"]
+    for r in rows:
+        s = r.get("stats") or {}
+        total, parked, growth = (s.get(k, 0) for k in
+                                 ("preemptions", "parked_preemptions", "growth_preemptions"))
+        lines.append(f"{r['policy']:<{width}}  {total:>9} {total - parked - growth:>8} "
+                     f"{parked:>10} {growth:>7} {s.get('recomputes', 0):>10}")
+    return "\n".join(lines)
+
+
 def format_classes(rows: list[dict[str, Any]]) -> str:
     """Attainment per SLO class (heterogeneous SLOs), or '' when the run has no classes."""
     if not any(r.get("per_class") for r in rows):

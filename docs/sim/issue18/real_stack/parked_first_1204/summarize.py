@@ -1,5 +1,6 @@
 """One row per policy pass of `bench experiment` results: attainment, goodput, rotations
-(growth preemptions among them, where the server counted them), stalls.
+(growth preemptions and those that seated a parked request among them, where the server
+counted them), stalls.
 
     .venv/bin/python docs/sim/issue18/real_stack/parked_first_1204/summarize.py DIR ... [--json OUT]
 
@@ -23,6 +24,7 @@ def rows(d: Path) -> list[dict]:
                 for a, b in zip(q["token_times_s"], q["token_times_s"][1:])]
         delta = r.get("stats", {}).get("server_metrics_delta", {})
         growth = delta.get("superinfer_scheduler_growth_preemptions_total")
+        parked = delta.get("superinfer_scheduler_parked_preemptions_total")
         out.append({
             "pass": d.name, "policy": r["policy"], "rps": r["rps"],
             "ttft": round(100 * r["ttft_attainment"], 1),
@@ -32,6 +34,7 @@ def rows(d: Path) -> list[dict]:
             "p50_ttft_s": round(r["p50_ttft_s"], 2), "p99_ttft_s": round(r["p99_ttft_s"], 2),
             "tok_s": round(r["throughput_tok_s"], 1), "rotations": r["rotations"],
             "growth_preemptions": None if growth is None else int(growth),
+            "parked_preemptions": None if parked is None else int(parked),
             "longest_gap_s": round(max(gaps, default=0.0), 2),
             "gap_s_over_slo": round(sum(g for g in gaps if g > slo), 1),
         })
