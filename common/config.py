@@ -21,7 +21,8 @@ DTYPE_NAMES = ("auto", "float32", "bfloat16", "int8", "int4", "gguf", "float16")
 KV_DTYPE_NAMES = ("auto", "float32", "bfloat16")  # auto: float32 with float32 weights, else bf16
 
 
-def _optional_float(text: str) -> float | None:
+def optional_float(text: str) -> float | None:
+    """argparse `type=` for a float flag that 'none' switches off."""
     return None if text.strip().lower() == "none" else float(text)
 
 
@@ -166,7 +167,7 @@ class EngineConfig:
         s.add_argument("--alpha", type=float, default=0.3)
         s.add_argument("--beta-b", type=float, default=0.0)
         s.add_argument("--beta-f", type=float, default=0.0)
-        s.add_argument("--max-stall", type=_optional_float, default=None,
+        s.add_argument("--max-stall", type=optional_float, default=None,
                        help="LVF: a parked request that has streamed outranks new ones once "
                             "it has waited this share of its TTFT SLO since its last token "
                             "('none': only when its TPOT is at risk)")
@@ -174,10 +175,10 @@ class EngineConfig:
         s.add_argument("--min-residency", type=int, default=32,
                        help="iterations a (re)admitted request is safe from rotation")
         s.add_argument("--vlt-margin", type=float, default=0.0)
-        s.add_argument("--hold-vlt", type=_optional_float, default=-0.5,
+        s.add_argument("--hold-vlt", type=optional_float, default=-0.5,
                        help="LVF: a new request whose VLT reaches this is no longer skipped "
                             "when it does not fit (anti-starvation; 'none': always skip)")
-        s.add_argument("--iteration-budget", type=_optional_float, default=None,
+        s.add_argument("--iteration-budget", type=optional_float, default=None,
                        help="share of the tightest TBT SLO an iteration may take, from the "
                             "executor's measured times (default: the policy's, 0.9 for lvf and "
                             "none for the baselines; 0: off)")

@@ -444,9 +444,11 @@ class Scheduler:
     LAZY_SCAN = 256  # candidates _rotation_needed looks at, at most
     # Lazy only where at least this many requests finished within the candidate's TTFT
     # SLO: the rate is then known to ~25 % (which lazy_margin covers), and seats free up
-    # often enough to wait for. The CPU stack (~3 finishes per 10 s) always rotates as LVF
-    # did: there, lazy rotation measured 69 % TTFT against 82 % in back-to-back real-stack
-    # passes at 0.546 req/s (docs/sim/issue18/README.md).
+    # often enough to wait for. The CPU stack at 0.546 req/s (~3 finishes per 10 s) always
+    # rotates as LVF did: there, lazy rotation measured 69 % TTFT against 82 % in
+    # back-to-back real-stack passes (docs/sim/issue18/README.md). At 1.5x its saturation
+    # today (4.32 req/s, ~26 finishes per 10 s) lazy rotation is on there too
+    # (docs/sim/issue18/real_stack, split_1204).
     LAZY_MIN_FINISHES = 16
 
     def _rotation_needed(self, queue: Iterator[Request], now: float

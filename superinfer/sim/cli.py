@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from common.config import optional_float
 from superinfer.argtypes import rates
 from superinfer.sim import fidelity
 from superinfer.sim.cost import LAYOUTS
@@ -84,10 +85,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     f.set_defaults(func=fidelity.run)
 
 
-def _optional_float(text: str) -> float | None:
-    return None if text.strip().lower() == "none" else float(text)
-
-
 def _budget(text: str) -> int | None:
     try:
         return parse_budget(text)
@@ -132,7 +129,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--alpha", type=float, default=_D.alpha)
     s.add_argument("--beta-b", type=float, default=_D.beta_b)
     s.add_argument("--beta-f", type=float, default=_D.beta_f)
-    s.add_argument("--max-stall", type=_optional_float, default=_D.max_stall,
+    s.add_argument("--max-stall", type=optional_float, default=_D.max_stall,
                    help="LVF: share of the TTFT SLO a parked, streaming request waits before "
                         "it outranks new ones ('none': no bound)")
     s.add_argument("--xfer-budget-blocks", type=_budget, default=AUTO,
@@ -140,9 +137,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--min-residency", type=int, default=_D.min_residency,
                    help="iterations a (re)admitted request is safe from proactive preemption")
     s.add_argument("--vlt-margin", type=float, default=_D.vlt_margin)
-    s.add_argument("--hold-vlt", type=_optional_float, default=_D.hold_vlt,
+    s.add_argument("--hold-vlt", type=optional_float, default=_D.hold_vlt,
                    help="LVF anti-starvation threshold for new requests ('none': off)")
-    s.add_argument("--iteration-budget", type=_optional_float, default=_D.iteration_budget,
+    s.add_argument("--iteration-budget", type=optional_float, default=_D.iteration_budget,
                    help="share of the tightest TBT SLO an iteration may take (default: the "
                         "policy's: lvf 0.9, baselines none; 0: off)")
     s.add_argument("--prefill-within", type=float, default=_D.prefill_within,

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.config import EngineConfig
+from common.config import EngineConfig, optional_float
 from common.contracts import ExecuteResult, ScheduledChunk, TransferPlan, TransferResult
 from common.errors import SuperInferError
 from scheduler_svc.engine_core import EngineCore
@@ -227,7 +227,7 @@ class PolicyVariant:
                 elif kind == "bool":
                     conv = _parse_bool(value)
                 elif kind == "optional_float":
-                    conv = None if value.strip().lower() == "none" else float(value)
+                    conv = optional_float(value)
                 else:
                     conv = kind(value)  # type: ignore[operator]
             except ValueError:
