@@ -270,6 +270,22 @@ def test_parked_requests_go_ahead_of_new_ones_that_can_spare_the_seats(
     assert hold == (frozenset({"parked"}) if first == "parked" else frozenset())
 
 
+def _two_decodes_until_b_parks(limits: RotationLimits) -> tuple[Scheduler, list[float]]:
+    """LVF on eight device blocks: decodes a and b grow until it parks b for a's growth.
+    Returns the scheduler and its clock."""
+    clock = [0.0]
+    sched = Scheduler(SchedulerConfig(num_device_blocks=8, num_host_blocks=64, block_size=4,
+                                      max_num_seqs=4, pipelined=False),
+                      make_policy("lvf", VLTParams(), limits), clock=lambda: clock[0])
+    for rid in ("a", "b"):
+        sched.add_request(Request(rid, list(range(1, 9)),
+                                  SamplingParams(max_tokens=40, ignore_eos=True),
+                                  arrival_time=0.0, slo=SLO(5.0, 1.0)))
+    while sched.requests["b"].state is not RequestState.ROTARY:
+        _step(sched, clock)
+    return sched, clock
+
+
 @pytest.mark.parametrize("parked_first", [True, False])
 def test_a_new_request_is_not_seated_past_a_parked_one_that_goes_first(
         parked_first: bool) -> None:
@@ -277,17 +293,7 @@ def test_a_new_request_is_not_seated_past_a_parked_one_that_goes_first(
     its whole TTFT SLO left fits the free blocks and b does not. With parked_first, b goes
     first and the free blocks wait for it (seating the new one would take them); off, the
     new request is seated past it."""
-    clock = [0.0]
-    sched = Scheduler(SchedulerConfig(num_device_blocks=8, num_host_blocks=64, block_size=4,
-                                      max_num_seqs=4, pipelined=False),
-                      make_policy("lvf", VLTParams(), RotationLimits(parked_first=parked_first)),
-                      clock=lambda: clock[0])
-    for rid in ("a", "b"):
-        sched.add_request(Request(rid, list(range(1, 9)),
-                                  SamplingParams(max_tokens=40, ignore_eos=True),
-                                  arrival_time=0.0, slo=SLO(5.0, 1.0)))
-    while "b" in sched.requests and sched.requests["b"].state is not RequestState.ROTARY:
-        _step(sched, clock)
+    sched, clock = _two_decodes_until_b_parks(RotationLimits(parked_first=parked_first))
     assert sched.requests["a"].state is RequestState.RUNNING
     now = clock[0]
     for j in range(40):  # finishes often enough to wait for (Scheduler.LAZY_MIN_FINISHES)
@@ -308,17 +314,7 @@ def test_preemptions_are_counted_by_what_they_were_for() -> None:
     by taking a's place: a preemption to seat a parked request, one started request traded
     for another (the simulator prints the split; measured at gh200 defaults, 20 req/s: 1,215
     of LVF's 2,214 rotations, where waiting-first rotated 977 times, all for new ones)."""
-    clock = [0.0]
-    sched = Scheduler(SchedulerConfig(num_device_blocks=8, num_host_blocks=64, block_size=4,
-                                      max_num_seqs=4, pipelined=False),
-                      make_policy("lvf", VLTParams(), RotationLimits(min_residency=0)),
-                      clock=lambda: clock[0])
-    for rid in ("a", "b"):
-        sched.add_request(Request(rid, list(range(1, 9)),
-                                  SamplingParams(max_tokens=40, ignore_eos=True),
-                                  arrival_time=0.0, slo=SLO(5.0, 1.0)))
-    while sched.requests["b"].state is not RequestState.ROTARY:
-        _step(sched, clock)
+    sched, clock = _two_decodes_until_b_parks(RotationLimits(min_residency=0))
     st = sched.stats
     assert (st.preemptions, st.growth_preemptions, st.parked_preemptions) == (1, 1, 0)
     for _ in range(10):

@@ -13,6 +13,7 @@ from typing import Any
 
 from scheduler_svc.request import RequestState
 from scheduler_svc.scheduler import Scheduler
+from superinfer.bench.server_stats import scheduler_stat
 from superinfer.sim import fidelity
 from superinfer.sim.engine import PolicyVariant, SimConfig, Simulator
 from superinfer.sim.profile import load_hardware, load_model
@@ -28,10 +29,15 @@ def main(argv: list[str]) -> None:
     ec, transfer = fidelity.engine_config(config, variant.policy)
     cfg = variant.apply(SimConfig.from_engine(ec, **transfer))
     spec, trace = fidelity.trace_for(config, float(real["rps"]))
-    plain = Simulator(hw, model, variant.policy, cfg).run(trace, spec.trace_duration_s)
-    per_it = fidelity._per_iteration(real, plain.stats, ec.pipeline)
+    # The real run's time per batch, from the server's counters (as `sim fidelity` takes it).
+    delta = (real.get("stats") or {}).get("server_metrics_delta") or {}
+    real_batch = fidelity.real_batch_s(*(scheduler_stat(delta, key) for key in
+                                         ("execute_s", "execute_rpc_s", "executes")),
+                                       ec.pipeline)
+    if real_batch is None:
+        raise SystemExit(f"{argv[0]}: the pass has no server execute counters to match")
     k, res = fidelity.match_execute(hw, model, variant.policy, cfg, trace,
-                                    spec.trace_duration_s, per_it["mean_execute_s_real"])
+                                    spec.trace_duration_s, real_batch)
     log: list[tuple[Any, ...]] = []
     if target is not None:  # the matched run once more, followed (it is deterministic)
         schedule = Scheduler.schedule
