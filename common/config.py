@@ -21,6 +21,13 @@ DTYPE_NAMES = ("auto", "float32", "bfloat16", "int8", "int4", "gguf", "float16")
 KV_DTYPE_NAMES = ("auto", "float32", "bfloat16")  # auto: float32 with float32 weights, else bf16
 
 
+# LVF's --park-cover (RotationLimits.park_cover): a started request is rotated out only
+# where its slack covers this many times the mean time parked requests stay parked. Off:
+# at 1 it moved TTFT into TPOT (simulator: as many must-show cells failed, a different
+# set; real stack: better in two 2x pairs, worse in one; docs/sim/issue18/README.md).
+PARK_COVER: float | None = None
+
+
 def optional_float(text: str) -> float | None:
     """argparse `type=` for a float flag that 'none' switches off."""
     return None if text.strip().lower() == "none" else float(text)
@@ -69,6 +76,9 @@ class EngineConfig:
     # ... and where none is needed, parked requests go ahead of new ones for as many seats
     # as the new ones can spare (Scheduler._rotation_needed; off: measured there).
     parked_first: bool = False
+    # LVF rotates a started request out for a candidate only where its slack covers this
+    # many times the mean time parked requests have stayed parked (None: off).
+    park_cover: float | None = PARK_COVER
     eager_budget_blocks: int = 32
     # Automatic prefix caching (vLLM's flag): requests share the KV of full blocks whose
     # tokens (and all before them) match; freed ones stay cached on the device and, through
@@ -105,6 +115,8 @@ class EngineConfig:
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if not self.alpha > 0:
             raise ValueError(f"--alpha must be positive, got {self.alpha}")
+        if self.park_cover is not None and not self.park_cover > 0:
+            raise ValueError(f"--park-cover must be positive ('none': off), got {self.park_cover}")
         for flag, v in (("--beta-b", self.beta_b), ("--beta-f", self.beta_f)):
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"{flag} must be in [0, 1], got {v}")
@@ -196,6 +208,10 @@ class EngineConfig:
                        help="LVF's lazy rotation: where no rotation is needed, parked "
                             "requests go ahead of new ones for as many seats as the new "
                             "ones can spare by the same estimate")
+        s.add_argument("--park-cover", type=optional_float, default=PARK_COVER,
+                       help="LVF: rotate a started request out only where its slack covers "
+                            "this many times the mean time parked requests have stayed "
+                            "parked ('none': off)")
         s.add_argument("--eager-budget-blocks", type=int, default=32)
         s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=True,

@@ -223,6 +223,11 @@ class Request:
     def is_finished(self) -> bool:
         return self.state is RequestState.FINISHED
 
+    @property
+    def state_since(self) -> float:
+        """When the request entered its current state."""
+        return self._state_since
+
     # -- state changes -----------------------------------------------------------------
     def set_state(self, state: RequestState, now: float) -> None:
         if state is self.state:

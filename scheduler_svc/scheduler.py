@@ -629,6 +629,7 @@ class Scheduler:
             plan.xfer_used += cost
             late = bm.num_late_swap_in
             if rotary:
+                policy.observe_park(q, plan.now)
                 self.stats.swap_in_cached_blocks += bm.swap_in(q)
                 self.rotary.remove(q)
                 plan.into.append(q.request_id)

@@ -24,7 +24,8 @@ def vlt_params(cfg: EngineConfig) -> VLTParams:
 def rotation_limits(cfg: EngineConfig) -> RotationLimits:
     return RotationLimits(cfg.xfer_budget_blocks, cfg.min_residency, cfg.vlt_margin,
                           cfg.hold_vlt, cfg.iteration_budget, cfg.prefill_within,
-                          cfg.lazy_rotation, cfg.lazy_margin, cfg.parked_first)
+                          cfg.lazy_rotation, cfg.lazy_margin, cfg.parked_first,
+                          cfg.park_cover)
 
 
 def default_slo(cfg: EngineConfig) -> SLO:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler_svc.policy import RotationLimits, Unservable, VLTParams, make_policy, vlt
+from scheduler_svc.policy.lvf import LVFPolicy
 from scheduler_svc.policy.vlt import deadline, due_time, is_late
 from scheduler_svc.request import SLO, Request, RequestState, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
@@ -668,6 +669,50 @@ def test_parked_first_reaches_the_policy_from_the_flags() -> None:
     assert PolicyVariant.parse("lvf:parked_first=on").apply(SimConfig()).parked_first
     assert not PolicyVariant.parse("lvf:parked_first=off").apply(
         SimConfig(parked_first=True)).parked_first
+
+
+@pytest.mark.parametrize("cover", [None, 1.0, 2.0])
+def test_park_cover_spares_a_victim_without_the_slack_to_sit_out_a_typical_park(
+        cover: float | None) -> None:
+    """Parked requests have stayed parked 2 s on average. A running request 1.5 s ahead of
+    its deadline, parked that long, would miss its TPOT: with park_cover 1 it is no victim,
+    one 3 s ahead still is; with 2, neither is. Off (None), both are, as is every victim
+    before a single park was seen."""
+    now = 10.0
+    lvf = make_policy("lvf", VLTParams(), RotationLimits(park_cover=cover))
+    assert isinstance(lvf, LVFPolicy)
+    old = req("old", arrival=6.0)  # 1 s of TTFT slack left: lags more than either victim
+    victims = []
+    for rid, ahead, k in (("near", 1.5, 65), ("far", 3.0, 80)):
+        v = req(rid, 0.0, RequestState.RUNNING, last_token=9.9, run_start=1.0)
+        v.first_token_time, v.output_token_ids = 5.0, [1] * k  # due 5 + k * 0.1 s
+        assert deadline(v, lvf.gap_s) - now == pytest.approx(ahead)
+        victims.append(v)
+    assert all(lvf.may_preempt(v, old, now) for v in victims)  # no park seen yet
+    parked = req("p", 0.0, RequestState.RUNNING, last_token=3.0)
+    parked.set_state(RequestState.ROTARY, 3.0)
+    lvf.observe_park(parked, 5.0)  # parked 3.0 -> 5.0
+    assert lvf.park_s(parked.slo) == pytest.approx(2.0)
+    assert lvf.park_s(SLO(1.0, 0.05)) is None  # per SLO class
+    expect = {None: [True, True], 1.0: [False, True], 2.0: [False, False]}[cover]
+    assert [lvf.may_preempt(v, old, now) for v in victims] == expect
+    prefilling = req("pf", 0.0, RequestState.RUNNING, run_start=2.0)  # no token: no TPOT yet
+    assert lvf.may_preempt(prefilling, old, now)
+
+
+def test_park_cover_reaches_the_policy_from_the_flags() -> None:
+    from common.config import PARK_COVER, EngineConfig
+    from scheduler_svc.setup import rotation_limits
+    from superinfer.sim.engine import PolicyVariant, SimConfig
+
+    assert rotation_limits(EngineConfig()).park_cover == PARK_COVER
+    assert SimConfig().park_cover == PARK_COVER
+    assert rotation_limits(EngineConfig(park_cover=1.5)).park_cover == 1.5
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="park.cover"):
+            EngineConfig(park_cover=bad)
+    assert PolicyVariant.parse("lvf:cover=2").apply(SimConfig()).park_cover == 2.0
+    assert PolicyVariant.parse("lvf:cover=none").apply(SimConfig(park_cover=1.0)).park_cover is None
 
 
 def test_with_the_stall_bound_late_parked_requests_leave_their_run_from_any_place() -> None:

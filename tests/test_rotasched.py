@@ -15,6 +15,7 @@ import pytest
 from common.contracts import ExecuteResult
 from scheduler_svc.policy import RotationLimits, VLTParams, make_policy
 from scheduler_svc.policy.iteration_cost import OnlineIterationCost, seqs_within, tokens_within
+from scheduler_svc.policy.lvf import LVFPolicy
 from scheduler_svc.request import PHASES, SLO, Request, RequestState, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.slo_attribution import HISTOGRAM_KEYS, MissHistograms, base_key
@@ -323,6 +324,22 @@ def test_preemptions_are_counted_by_what_they_were_for() -> None:
             break
     assert sched.requests["a"].state is RequestState.ROTARY
     assert (st.preemptions, st.growth_preemptions, st.parked_preemptions) == (2, 1, 1)
+
+
+def test_lvf_learns_how_long_parked_requests_stay_parked() -> None:
+    """The scheduler tells the policy each resumed request's stay parked; LVF keeps a
+    moving mean of them (what --park-cover weighs a victim's slack against)."""
+    sched, clock = _two_decodes_until_b_parks(RotationLimits(min_residency=0))
+    b = sched.requests["b"]
+    parked_at, lvf = b.state_since, sched.policy
+    assert isinstance(lvf, LVFPolicy) and lvf.park_s(b.slo) is None
+    while b.state is RequestState.ROTARY:
+        resumed_at = clock[0]
+        _step(sched, clock)
+    assert resumed_at > parked_at
+    assert lvf.park_s(b.slo) == pytest.approx(resumed_at - parked_at)
+    lvf.observe_park(b, b.state_since + 1.0)  # a second stay, of 1 s: a tenth of the way
+    assert lvf.park_s(b.slo) == pytest.approx(0.9 * (resumed_at - parked_at) + 0.1)
 
 
 def test_turnover_leaves_idle_spells_out_of_the_rate() -> None:

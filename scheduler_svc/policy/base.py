@@ -59,6 +59,11 @@ class RotationLimits:
     # seats as the new ones can spare by that estimate (off: measured, it shortens stalls
     # on the CPU stack and costs TPOT under sustained overload in the simulator).
     parked_first: bool = False
+    # A started request may be rotated out for a candidate only where its slack covers
+    # this many times the mean time parked requests have spent parked before coming back
+    # (LVF, `observe_park`): parked for that long, one with less would miss its TPOT.
+    # None: off.
+    park_cover: float | None = None
 
 
 class Unservable(enum.Enum):
@@ -130,6 +135,11 @@ class Policy(ABC):
         """A batch ran for `seconds`: the time between tokens its running requests got.
         True: the queued requests' `order_key`s changed (the scheduler re-files them)."""
         return False
+
+    def observe_park(self, req: Request, now: float) -> None:
+        """Rotary `req` comes back onto the device at `now`, parked since
+        `req.state_since` (a policy that weighs rotations by the stays keeps them)."""
+        return None
 
     def candidate_runs(self, runs: list[list[Entry]], now: float) -> list[list[Entry]]:
         """The queues' sorted runs, split where the merge key's order needs it (each

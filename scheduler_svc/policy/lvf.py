@@ -24,6 +24,15 @@ tokens the deadlines use stays put: one group per (formula, SLO), sorted by anch
 prefix is split off as a run of its own (`candidate_runs`). That time follows the batches'
 mean in 10 % steps, and each step re-files the queues. Running requests' deadlines move
 with their tokens: the scheduler sorts them each iteration (`static_running_order`).
+
+A victim's slack is its deadline less now, but parked it waits for its VLT to overtake the
+new requests', which under overload takes longer than that slack: rotated out with
+seconds to spare, it came back late (on the CPU stack at 1.5x, 64-token requests parked
+with 14 s of slack stalled 23-34 s; docs/sim/issue18/real_stack). With
+`limits.park_cover` = c a started request is a victim only where its slack covers c
+times the mean stay parked of its SLO class (`observe_park`, from the resumes): the
+requests that could not sit out a typical stay keep their seats. It trades TTFT for TPOT
+(docs/sim/issue18/README.md, "A victim's slack against the time parked").
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ from scheduler_svc.policy.vlt import (
     vlt,
 )
 from scheduler_svc.queue import Entry
-from scheduler_svc.request import Request, RequestState
+from scheduler_svc.request import SLO, Request, RequestState
 
 
 class LVFPolicy(Policy):
@@ -75,6 +84,9 @@ class LVFPolicy(Policy):
         # parked request's deadline depends on it: each move re-sorts the rotary queue).
         self._gap_mean: float | None = None
         self.gap_s: float | None = None
+        # How long a parked request stays parked before it comes back, per SLO class
+        # (S_B, S_F): a moving mean over its resumes, for limits.park_cover.
+        self._park_s: dict[tuple[float, float], float] = {}
 
     def set_lag_unit(self, unit_s: float | None) -> None:
         if unit_s != self.lag_unit_s:
@@ -92,6 +104,15 @@ class LVFPolicy(Policy):
         self._asked = (None, 0.0, None)
         self._ranked = (0.0, {})
         return True
+
+    def observe_park(self, req: Request, now: float) -> None:
+        d, key = now - req.state_since, (req.slo.ttft_s, req.slo.tbt_s)
+        m = self._park_s.get(key)
+        self._park_s[key] = d if m is None else 0.9 * m + 0.1 * d
+
+    def park_s(self, slo: SLO) -> float | None:
+        """The mean stay parked of requests of this SLO class (None: none came back yet)."""
+        return self._park_s.get((slo.ttft_s, slo.tbt_s))
 
     def is_late(self, req: Request, now: float) -> bool:
         return is_late(req, now, self.gap_s)
@@ -285,4 +306,11 @@ class LVFPolicy(Policy):
         v = ranked.get(victim.request_id) if at == now else None
         if v is None:
             v = vlt(victim, now, self.params, self.gap_s, self.lag_unit_s)
-        return v < 0.0 and v < bar
+        if not (v < 0.0 and v < bar):
+            return False
+        cover = self.limits.park_cover
+        if cover is None or victim.first_token_time is None:
+            return True
+        # A started victim must have the slack to sit out a typical stay parked (module doc).
+        park = self.park_s(victim.slo)
+        return park is None or deadline(victim, self.gap_s) - now >= cover * park

@@ -155,6 +155,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=_D.parked_first,
                    help="LVF: where no rotation is needed, parked requests go ahead of new "
                         "ones for as many seats as the new ones can spare")
+    s.add_argument("--park-cover", type=optional_float, default=_D.park_cover,
+                   help="LVF: rotate a started request out only where its slack covers this "
+                        "many times the mean time parked requests have stayed parked "
+                        "('none': off)")
     s.add_argument("--iteration-cost", choices=["online", "model", "none"], default=_D.cost,
                    help="what the scheduler knows of batch times: a fit of the simulated "
                         "executor's times as the service does (online), the cost model "
@@ -208,6 +212,7 @@ def build_config(args: argparse.Namespace) -> SimConfig:
         lazy_rotation=args.lazy_rotation,
         lazy_margin=args.lazy_margin,
         parked_first=args.parked_first,
+        park_cover=args.park_cover,
         cost=args.iteration_cost,
         eager_budget_blocks=args.eager_budget_blocks,
         layout=args.layout,

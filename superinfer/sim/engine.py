@@ -81,6 +81,7 @@ class SimConfig:
     lazy_rotation: bool = _ENGINE.lazy_rotation
     lazy_margin: float = _ENGINE.lazy_margin
     parked_first: bool = _ENGINE.parked_first
+    park_cover: float | None = _ENGINE.park_cover
     cost: str = "online"  # what the scheduler knows of iteration times: online, model, none
     eager_budget_blocks: int = AUTO  # 0: no eager copies
     layout: str = "block-first"
@@ -117,6 +118,9 @@ class SimConfig:
         if self.iteration_budget is not None and not 0.0 <= self.iteration_budget <= 1.0:
             raise SimulationError(f"--iteration-budget must be in [0, 1] (0: off), got "
                                   f"{self.iteration_budget}")
+        if self.park_cover is not None and not self.park_cover > 0:
+            raise SimulationError(f"--park-cover must be positive ('none': off), got "
+                                  f"{self.park_cover}")
         if not 0.0 < self.prefill_within <= 1.0:
             raise SimulationError(f"--prefill-within must be in (0, 1], got {self.prefill_within}")
         if self.cost not in ("online", "model", "none"):
@@ -156,6 +160,8 @@ _VARIANT_KEYS = {
     "lazy": ("lazy_rotation", "bool"),
     "lazy_margin": ("lazy_margin", float),
     "parked_first": ("parked_first", "bool"),
+    "park_cover": ("park_cover", "optional_float"),
+    "cover": ("park_cover", "optional_float"),
     "cost": ("cost", str),
     "eager": ("eager_budget_blocks", "budget"),
     "layout": ("layout", str),
@@ -313,7 +319,7 @@ class Simulator:
             VLTParams(c.alpha, c.beta_b, c.beta_f, c.max_stall),
             RotationLimits(self.xfer_budget, c.min_residency, c.vlt_margin, c.hold_vlt,
                            c.iteration_budget, c.prefill_within, c.lazy_rotation,
-                           c.lazy_margin, c.parked_first),
+                           c.lazy_margin, c.parked_first, c.park_cover),
         )
         cost: IterationCost | None = None
         if c.cost == "model":
