@@ -60,9 +60,9 @@ class RotationLimits:
     # on the CPU stack and costs TPOT under sustained overload in the simulator).
     parked_first: bool = False
     # A started request may be rotated out for a candidate only where its slack covers
-    # this many times the mean time parked requests have spent parked before coming back
-    # (LVF, `observe_park`): parked for that long, one with less would miss its TPOT.
-    # None: off.
+    # this many times the mean time parked requests of its SLO class have spent parked
+    # before coming back (LVF, `observe_park`): parked for that long, one with less would
+    # miss its TPOT. None: off.
     park_cover: float | None = None
 
 
