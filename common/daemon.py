@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import signal
 import socket
 from abc import ABC, abstractmethod
@@ -76,10 +77,32 @@ class PidFile:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for tests and benchmarks)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (for tests and benchmarks).
+
+    Chosen below the kernel's ephemeral range where there is room: a port the kernel hands
+    out is also the next outgoing connection's, and one did take a gateway's port while
+    the services started before it (CI, 2026-12-04: "cannot listen ... port in use")."""
+    low = _ephemeral_low()
+    if low is not None and low > 11024:
+        for _ in range(64):
+            port = random.randrange(low - 10000, low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int | None:
+    """The first port of the kernel's range for outgoing connections (None: unknown)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def read_pid(path: Path) -> int | None:

@@ -249,3 +249,19 @@ def test_health_command_exit_status(status: str, rc: int) -> None:
         close()
         server.kill()
         server.wait()
+
+
+def test_free_port_is_bindable_and_outside_the_outgoing_connections_range() -> None:
+    """Ports for the services come from below the kernel's ephemeral range, where no
+    outgoing connection takes them before the service binds (a gateway's did, in CI)."""
+    import socket
+
+    from common.daemon import _ephemeral_low, free_port
+
+    low = _ephemeral_low()
+    for _ in range(10):
+        port = free_port()
+        if low is not None and low > 11024:
+            assert low - 10000 <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
