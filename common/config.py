@@ -128,6 +128,11 @@ class EngineConfig:
                              f"{self.iteration_budget}")
         if self.lazy_margin < 0.0:
             raise ValueError(f"--lazy-margin must be >= 0, got {self.lazy_margin}")
+        if self.min_residency < 0:
+            raise ValueError(f"--min-residency must be >= 0, got {self.min_residency}")
+        if self.xfer_budget_blocks is not None and self.xfer_budget_blocks < 0:
+            raise ValueError(f"--xfer-budget-blocks must be >= 0 (none: unlimited), got "
+                             f"{self.xfer_budget_blocks}")
         if not 0.0 < self.prefill_within <= 1.0:
             raise ValueError(f"--prefill-within must be in (0, 1], got {self.prefill_within}")
         for flag, v in (("--ttft-slo", self.ttft_slo), ("--tbt-slo", self.tbt_slo)):

@@ -715,6 +715,27 @@ def test_park_cover_reaches_the_policy_from_the_flags() -> None:
     assert PolicyVariant.parse("lvf:cover=none").apply(SimConfig(park_cover=1.0)).park_cover is None
 
 
+def test_rotation_limits_refuse_values_out_of_range_wherever_they_are_set() -> None:
+    """RotationLimits checks its own fields; the simulator's config reports the same as a
+    SimulationError, the engine's config names the serve flag."""
+    from common.config import EngineConfig
+    from superinfer.sim.engine import SimConfig, SimulationError
+
+    with pytest.raises(ValueError, match="xfer_budget_blocks"):
+        RotationLimits(xfer_budget_blocks=-1)
+    bad = {"min_residency": -1, "iteration_budget": 1.5, "prefill_within": 0.0,
+           "lazy_margin": -0.1, "park_cover": 0.0}
+    for field, value in bad.items():
+        with pytest.raises(ValueError, match=field):
+            RotationLimits(**{field: value})
+        with pytest.raises(SimulationError, match=field):
+            SimConfig(**{field: value})
+        with pytest.raises(ValueError, match="--" + field.replace("_", "-")):
+            EngineConfig(**{field: value})
+    RotationLimits(xfer_budget_blocks=0, iteration_budget=0.0, prefill_within=1.0,
+                   park_cover=0.5)  # the edges that are allowed
+
+
 def test_with_the_stall_bound_late_parked_requests_leave_their_run_from_any_place() -> None:
     """A rotary run is sorted by lag anchor. Without the bound that is the deadline, so the
     late requests are its prefix; with it a request with much slack but an old last token

@@ -65,6 +65,22 @@ class RotationLimits:
     # miss its TPOT. None: off.
     park_cover: float | None = None
 
+    def __post_init__(self) -> None:
+        if self.xfer_budget_blocks is not None and self.xfer_budget_blocks < 0:
+            raise ValueError(f"xfer_budget_blocks must be >= 0 (None: unlimited), got "
+                             f"{self.xfer_budget_blocks}")
+        if self.min_residency < 0:
+            raise ValueError(f"min_residency must be >= 0, got {self.min_residency}")
+        if self.iteration_budget is not None and not 0.0 <= self.iteration_budget <= 1.0:
+            raise ValueError(f"iteration_budget must be in [0, 1] (0: off), got "
+                             f"{self.iteration_budget}")
+        if not 0.0 < self.prefill_within <= 1.0:
+            raise ValueError(f"prefill_within must be in (0, 1], got {self.prefill_within}")
+        if not self.lazy_margin >= 0.0:
+            raise ValueError(f"lazy_margin must be >= 0, got {self.lazy_margin}")
+        if self.park_cover is not None and not self.park_cover > 0.0:
+            raise ValueError(f"park_cover must be positive (None: off), got {self.park_cover}")
+
 
 class Unservable(enum.Enum):
     """What admission does with a candidate it cannot serve this iteration."""

@@ -115,22 +115,15 @@ class SimConfig:
             raise SimulationError(f"--xfer-budget-blocks must be >= 0, got {self.xfer_budget_blocks}")
         if self.eager_budget_blocks < AUTO:
             raise SimulationError(f"--eager-budget-blocks must be >= 0, got {self.eager_budget_blocks}")
-        if self.iteration_budget is not None and not 0.0 <= self.iteration_budget <= 1.0:
-            raise SimulationError(f"--iteration-budget must be in [0, 1] (0: off), got "
-                                  f"{self.iteration_budget}")
-        if self.park_cover is not None and not self.park_cover > 0:
-            raise SimulationError(f"--park-cover must be positive ('none': off), got "
-                                  f"{self.park_cover}")
-        if not 0.0 < self.prefill_within <= 1.0:
-            raise SimulationError(f"--prefill-within must be in (0, 1], got {self.prefill_within}")
         if self.cost not in ("online", "model", "none"):
             raise SimulationError(f"--iteration-cost must be online, model or none, got {self.cost!r}")
-        if self.min_residency < 0:
-            raise SimulationError(f"--min-residency must be >= 0, got {self.min_residency}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise SimulationError(f"max_model_len must be at least 2, got {self.max_model_len}")
         try:
             VLTParams(self.alpha, self.beta_b, self.beta_f, self.max_stall)
+            RotationLimits(None, self.min_residency, self.vlt_margin, self.hold_vlt,
+                           self.iteration_budget, self.prefill_within, self.lazy_rotation,
+                           self.lazy_margin, self.parked_first, self.park_cover)
             SLO(self.ttft_slo, self.tbt_slo)
         except ValueError as e:
             raise SimulationError(str(e)) from None
