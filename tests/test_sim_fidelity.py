@@ -207,3 +207,15 @@ def test_calibration_fit_recovers_known_parameters() -> None:
     assert max(abs(p["error"]) for p in points) < 0.02
     assert fc0 == pytest.approx(c0, rel=0.1) and fF == pytest.approx(F, rel=0.1)
     assert fA == pytest.approx(A, rel=0.1)
+
+
+def test_calibration_serves_at_the_rate_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    """The serving run is a `bench experiment` at --serving-rate (default: the load the
+    experiments run at); a rate that is not positive is refused before anything starts."""
+    from superinfer.sim.calibrate import SERVING_RATE, serving_run
+
+    run = serving_run(2.5)
+    assert run[run.index("--rates") + 1] == "2.5" and "--policies" in run
+    assert serving_run(SERVING_RATE)[run.index("--rates") + 1] == f"{SERVING_RATE:g}"
+    assert sim_main(["sim", "calibrate", "--serving-rate", "0", "--out", "/nonexistent/x"]) == 2
+    assert "--serving-rate must be positive" in capsys.readouterr().err

@@ -22,11 +22,17 @@ does (same code, same threads, kvmem's own glibc tunables) and talks to them ove
 * The stack around the worker (`--serving`, default on): inside `serve` the worker shares
   the cores with the scheduler, the gateway streaming tokens and the client, and its
   batches run slower than alone (on 2 cores, 1.4-2x in the runs that motivated this). A
-  short `superinfer bench experiment` (lvf, 0.6 req/s, 12 s, its own seed 12345) runs the
-  whole stack; the simulator replays that run, and every execution term of the profile is
-  scaled by the one factor that makes the simulated mean time per batch equal the mean
-  Execute time the scheduler measured. The serving run also gives the stack's own cost per
-  transfer batch. This uses one policy's mean batch time, never attainment.
+  short `superinfer bench experiment` (lvf, `--serving-rate`, 12 s, its own seed 12345)
+  runs the whole stack; the simulator replays that run, and every execution term of the
+  profile is scaled by the one factor that makes the simulated mean time per batch equal
+  the mean Execute time the scheduler measured. The serving run also gives the stack's own
+  cost per transfer batch. This uses one policy's mean batch time, never attainment.
+  The rate is the load the comparisons run at: the more streams the gateway and the
+  client serve, the more of the cores they take. Measured 2026-12-04 with the executor
+  of that day (saturation 2.88 req/s): a run at 0.6 req/s (7 requests) gave a factor of
+  1.03 and a profile whose replays of four `bench experiment` passes at 1.5-2x saturation
+  were off by up to 14-17 TTFT points in three of them; at 4.32 req/s (1.5x, 46 requests)
+  1.12, and off by 16, 9, 2 and 0.2 (docs/sim/issue18/real_stack, fidelity_1204).
 
 It takes about two and a half minutes on an idle 2-core machine. Timings on a shared
 machine measure the neighbours too: the fastest of the repetitions is kept, and the load
@@ -322,11 +328,14 @@ async def _measure(quick: bool, timeout_s: float) -> dict[str, Any]:
         waddr = svc.start("worker", ["worker", "--device-blocks", str(DEVICE_BLOCKS)])
         worker = RemoteWorker(waddr)
         handle = await worker.kv_pool()
+        info = await worker.model_info()
         block_size = int(handle.shape[3])
         layers = int(handle.shape[1])
         print("calibrate: iterations …", file=sys.stderr, flush=True)
         points, rpc = await measure_iterations(worker, handle.pool_id, block_size, reps)
-        out: dict[str, Any] = {"iterations": points, "execute_rpc_overhead_s": rpc}
+        # What `--dtype auto` chose here: the weights' format and the KV pool's dtype.
+        out: dict[str, Any] = {"iterations": points, "execute_rpc_overhead_s": rpc,
+                               "executor_format": info.dtype, "kv_dtype": handle.dtype}
         for mode in ("duplex", "block-first", "layer-first"):
             kaddr = svc.start(f"kvmem-{mode}", ["kvmem", "--host-blocks", str(HOST_BLOCKS),
                                                 "--transfer-mode", mode])
@@ -354,10 +363,17 @@ async def _measure(quick: bool, timeout_s: float) -> dict[str, Any]:
         tmp.cleanup()
 
 
-SERVING_RUN = ["--policies", "lvf", "--rates", "0.6", "--duration", "12", "--seed", "12345"]
+SERVING_RATE = 4.32  # req/s of the serving run: 1.5x this machine's saturation (module doc)
+SERVING_DURATION_S = 30  # long enough for the batches of a backlog, not only its start
 
 
-def measure_serving(hw_isolated: Any, timeout_s: float) -> dict[str, Any]:
+def serving_run(rate: float) -> list[str]:
+    return ["--policies", "lvf", "--rates", f"{rate:g}", "--duration", str(SERVING_DURATION_S),
+            "--seed", "12345"]
+
+
+def measure_serving(hw_isolated: Any, timeout_s: float,
+                    rate: float = SERVING_RATE) -> dict[str, Any]:
     """How much slower the worker runs inside the serving stack than alone.
 
     A short `superinfer bench experiment` (its own seed, not the experiments' default)
@@ -370,11 +386,12 @@ def measure_serving(hw_isolated: Any, timeout_s: float) -> dict[str, Any]:
 
     from superinfer.sim import fidelity
 
+    run = serving_run(rate)
     with tempfile.TemporaryDirectory(prefix="superinfer-calibrate-serve-") as d:
-        argv = [sys.executable, "-m", "superinfer.cli", "bench", "experiment", *SERVING_RUN,
+        argv = [sys.executable, "-m", "superinfer.cli", "bench", "experiment", *run,
                 "--out", d, "--startup-timeout", str(timeout_s)]
         print("calibrate: serving run (`bench experiment "
-              + " ".join(SERVING_RUN) + "`) …", file=sys.stderr, flush=True)
+              + " ".join(run) + "`) …", file=sys.stderr, flush=True)
         done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"the serving run failed ({done.returncode}):\n"
@@ -401,7 +418,7 @@ def measure_serving(hw_isolated: Any, timeout_s: float) -> dict[str, Any]:
     plan = ((g("transfer_s") - max(g("kvmem_d2h_s"), g("kvmem_h2d_s"))) / transfers
             if transfers else None)
     return {
-        "command": "superinfer bench experiment " + " ".join(SERVING_RUN),
+        "command": "superinfer bench experiment " + " ".join(run),
         "requests": real.get("requests"), "executes": int(executes),
         "mean_batch_s": real_mean, "pipelined": ec.pipeline,
         "mean_execute_rpc_s": g("execute_rpc_s") / executes,
@@ -421,7 +438,7 @@ def _threads() -> str:
 
 
 def calibrate(out: Path | None = None, quick: bool = False, timeout_s: float = 300.0,
-              serving: bool = True) -> Path:
+              serving: bool = True, serving_rate: float = SERVING_RATE) -> Path:
     load_start = os.getloadavg() if hasattr(os, "getloadavg") else (math.nan,) * 3
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     t0 = time.monotonic()
@@ -438,8 +455,10 @@ def calibrate(out: Path | None = None, quick: bool = False, timeout_s: float = 3
     profile: dict[str, Any] = {
         "name": "cpu-local",
         "description": "this machine's CPU running `superinfer serve`: the device pool is a "
-                       "shared-memory pool in DRAM, the bundled SmolLM2-135M runs float32 in "
-                       "the worker process, kvmem copies blocks with DuplexKV's CPU lanes",
+                       "shared-memory pool in DRAM, the bundled SmolLM2-135M runs in the "
+                       f"worker process ({m['executor_format']} weights, {m['kv_dtype']} KV: "
+                       "what `--dtype auto` chose), kvmem copies blocks with DuplexKV's CPU "
+                       "lanes",
         "peak_flops": flops,
         "mfu": 1.0,
         "hbm_bandwidth_Bps": bw,
@@ -461,6 +480,8 @@ def calibrate(out: Path | None = None, quick: bool = False, timeout_s: float = 3
             "started_utc": started,
             "load_average_start": [round(x, 2) for x in load_start],
             "worker_threads": _threads(),
+            "executor_format": m["executor_format"],
+            "kv_dtype": m["kv_dtype"],
             "isolated_fit": {"worker_intercept_s": c0, "execute_rpc_overhead_s": rpc,
                              "peak_flops": flops, "hbm_bandwidth_Bps": bw,
                              "attention_kv_Bps": attn_bw, "plan_overhead_s": dup["plan_overhead_s"],
@@ -504,7 +525,7 @@ def calibrate(out: Path | None = None, quick: bool = False, timeout_s: float = 3
         with tempfile.TemporaryDirectory() as d:
             iso = Path(d) / "cpu-local-isolated.json"
             iso.write_text(json.dumps(profile))
-            srv = measure_serving(load_hardware(str(iso)), timeout_s)
+            srv = measure_serving(load_hardware(str(iso)), timeout_s, serving_rate)
         _apply_serving(profile, srv, started)
     profile["calibration"]["wall_s"] = round(time.monotonic() - t0, 1)
     profile["calibration"]["load_average_end"] = [

@@ -77,6 +77,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--serving", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure the worker's slowdown inside the serving stack with a "
                         "short `bench experiment` (about a minute) and scale the profile by it")
+    c.add_argument("--serving-rate", type=float, default=None, metavar="RPS",
+                   help="the serving run's request rate (default 4.32: the load the real "
+                        "stack's experiments run at on this machine; calibrate.py's doc)")
     c.set_defaults(func=_calibrate)
     f = ssub.add_parser("fidelity", help="the simulator vs the real stack on a `bench experiment`",
                         description=fidelity.__doc__,
@@ -340,7 +343,14 @@ def _calibrate(args: argparse.Namespace) -> int:
     from superinfer.sim.calibrate import calibrate
 
     out = Path(args.out) if args.out else None
-    path = calibrate(out, quick=args.quick, serving=args.serving)
+    from superinfer.sim.calibrate import SERVING_RATE
+
+    rate = SERVING_RATE if args.serving_rate is None else args.serving_rate
+    if not rate > 0:
+        print(f"superinfer sim calibrate: --serving-rate must be positive, got {rate}",
+              file=sys.stderr)
+        return 2
+    path = calibrate(out, quick=args.quick, serving=args.serving, serving_rate=rate)
     print(f"wrote {path}")
     return 0
 
