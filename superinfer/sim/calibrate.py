@@ -22,19 +22,21 @@ does (same code, same threads, kvmem's own glibc tunables) and talks to them ove
 * The stack around the worker (`--serving`, default on): inside `serve` the worker shares
   the cores with the scheduler, the gateway streaming tokens and the client, and its
   batches run slower than alone (on 2 cores, 1.4-2x in the runs that motivated this). A
-  short `superinfer bench experiment` (lvf, `--serving-rate`, 12 s, its own seed 12345)
+  short `superinfer bench experiment` (lvf, `--serving-rate`, 30 s, its own seed 12345)
   runs the whole stack; the simulator replays that run, and every execution term of the
   profile is scaled by the one factor that makes the simulated mean time per batch equal
   the mean Execute time the scheduler measured. The serving run also gives the stack's own
   cost per transfer batch. This uses one policy's mean batch time, never attainment.
   The rate is the load the comparisons run at: the more streams the gateway and the
   client serve, the more of the cores they take. Measured 2026-12-04 with the executor
-  of that day (saturation 2.88 req/s): a run at 0.6 req/s (7 requests) gave a factor of
+  of that day (saturation 2.88 req/s): 12 s at 0.6 req/s (7 requests) gave a factor of
   1.03 and a profile whose replays of four `bench experiment` passes at 1.5-2x saturation
-  were off by up to 14-17 TTFT points in three of them; at 4.32 req/s (1.5x, 46 requests)
-  1.12, and off by 16, 9, 2 and 0.2 (docs/sim/issue18/real_stack, fidelity_1204).
+  were off by 14-17 TTFT points in three of them; 12 s at 4.32 req/s (46 requests) gave
+  1.12, off by 16, 9, 2 and 0.2; 30 s at 4.32 (121 requests) gave 1.35, and a four-policy
+  pass run right after replayed within 8 points (docs/sim/issue18/real_stack,
+  fidelity_1204).
 
-It takes about two and a half minutes on an idle 2-core machine. Timings on a shared
+It takes about three and a half minutes on an idle 2-core machine. Timings on a shared
 machine measure the neighbours too: the fastest of the repetitions is kept, and the load
 average at start and end is written into the profile. Calibrate under the conditions the
 comparison will run in (right before `bench experiment`).

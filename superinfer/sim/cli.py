@@ -340,11 +340,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from superinfer.sim.calibrate import calibrate
+    from superinfer.sim.calibrate import SERVING_RATE, calibrate
 
     out = Path(args.out) if args.out else None
-    from superinfer.sim.calibrate import SERVING_RATE
-
     rate = SERVING_RATE if args.serving_rate is None else args.serving_rate
     if not rate > 0:
         print(f"superinfer sim calibrate: --serving-rate must be positive, got {rate}",
