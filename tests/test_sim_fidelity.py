@@ -217,5 +217,8 @@ def test_calibration_serves_at_the_rate_asked(capsys: pytest.CaptureFixture[str]
     run = serving_run(2.5)
     assert run[run.index("--rates") + 1] == "2.5" and "--policies" in run
     assert serving_run(SERVING_RATE)[run.index("--rates") + 1] == f"{SERVING_RATE:g}"
-    assert sim_main(["sim", "calibrate", "--serving-rate", "0", "--out", "/nonexistent/x"]) == 2
-    assert "--serving-rate must be positive" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        sim_main(["sim", "calibrate", "--serving-rate", "0", "--out", "/nonexistent/x"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--serving-rate" in err and "must be positive" in err

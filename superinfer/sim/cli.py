@@ -22,7 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from common.config import optional_float
-from superinfer.argtypes import rates
+from superinfer.argtypes import rate, rates
 from superinfer.sim import fidelity
 from superinfer.sim.cost import LAYOUTS
 from superinfer.sim.engine import (
@@ -77,7 +77,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--serving", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure the worker's slowdown inside the serving stack with a "
                         "short `bench experiment` (about a minute) and scale the profile by it")
-    c.add_argument("--serving-rate", type=float, default=None, metavar="RPS",
+    c.add_argument("--serving-rate", type=rate, default=None, metavar="RPS",
                    help="the serving run's request rate (default 4.32: the load the real "
                         "stack's experiments run at on this machine; calibrate.py's doc)")
     c.set_defaults(func=_calibrate)
@@ -343,12 +343,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     from superinfer.sim.calibrate import SERVING_RATE, calibrate
 
     out = Path(args.out) if args.out else None
-    rate = SERVING_RATE if args.serving_rate is None else args.serving_rate
-    if not rate > 0:
-        print(f"superinfer sim calibrate: --serving-rate must be positive, got {rate}",
-              file=sys.stderr)
-        return 2
-    path = calibrate(out, quick=args.quick, serving=args.serving, serving_rate=rate)
+    serving_rate = SERVING_RATE if args.serving_rate is None else args.serving_rate
+    path = calibrate(out, quick=args.quick, serving=args.serving, serving_rate=serving_rate)
     print(f"wrote {path}")
     return 0
 
