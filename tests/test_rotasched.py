@@ -697,3 +697,36 @@ def test_the_issue18_claim_is_checked_from_one_and_a_half_times_saturation() -> 
     assert verdict["rates"][1]["dominated_by"] == ["waiting-first"]
     assert verdict["holds"] is False
     assert pareto_claim(rows, saturation=None)["holds"] is None
+
+
+def test_an_lvf_variant_is_checked_in_lvfs_place_and_is_no_ones_baseline() -> None:
+    from superinfer.bench.experiment import check_claims, engine_argv, parse_variants
+
+    variants = parse_variants(["lvf-pf=lvf --parked-first --park-cover 1"], ["lvf", "fcfs"])
+    assert variants == {"lvf-pf": {"policy": "lvf", "serve_args": "--parked-first --park-cover 1"}}
+    config = {"device_blocks": 64, "host_blocks": 4096, "max_num_seqs": 32, "ttft_slo": 10.0,
+              "tbt_slo": 0.3, "serve_args": "--alpha 2", "variants": variants}
+    assert engine_argv("lvf-pf", config)[:2] == ["--policy", "lvf"]
+    assert engine_argv("lvf-pf", config)[-5:] == [
+        "--alpha", "2", "--parked-first", "--park-cover", "1"]
+    assert "--parked-first" not in engine_argv("fcfs", config)
+    for bad, word in [("lvf", "LABEL=POLICY"), ("fcfs=lvf", "taken"), ("x=nope", "unknown"),
+                      ("a/b=lvf", "letters"), ("x=", "LABEL=POLICY")]:
+        with pytest.raises(ValueError, match=word):
+            parse_variants([bad], ["lvf", "fcfs"])
+
+    def row(policy: str, ttft: float, tbt: float, good: float) -> dict:
+        return {"policy": policy, "rps": 3.6, "ttft_attainment": ttft,
+                "tbt_attainment": tbt, "goodput_rps": good}
+
+    # The variant beats lvf on both, but is not a baseline: lvf's own verdict is against
+    # fcfs only (which lvf beats); the variant is checked against fcfs, not against lvf.
+    rows = [row("lvf", 0.9, 0.95, 1.0), row("fcfs", 0.8, 0.96, 0.9), row("lvf-pf", 1.0, 0.99, 1.2)]
+    claims = check_claims(rows, variants, saturation=2.4)
+    assert claims["claim_issue18"]["holds"] is True
+    assert claims["claim_issue18_variants"]["lvf-pf"]["holds"] is True
+    rows[1] = row("fcfs", 1.0, 0.995, 1.0)  # now fcfs dominates both
+    claims = check_claims(rows, variants, saturation=2.4)
+    assert claims["claim_issue18"]["rates"][0]["dominated_by"] == ["fcfs"]
+    assert claims["claim_issue18_variants"]["lvf-pf"]["rates"][0]["dominated_by"] == ["fcfs"]
+    assert claims["claim"]["holds"] is None  # issue #7's needs swapped-first

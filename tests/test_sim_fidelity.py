@@ -112,6 +112,21 @@ def test_engine_config_is_what_serve_parses() -> None:
             cfg.xfer_budget_blocks, cfg.min_residency, cfg.duplex) == (64, 512, 32, None, 8, False)
 
 
+def test_a_variant_is_replayed_with_its_own_flags(tmp_path: Path) -> None:
+    data = json.loads(TRIAL.read_text())
+    data["config"]["variants"] = {
+        "lvf-pf": {"policy": "lvf", "serve_args": "--parked-first --min-residency 8"}}
+    data["results"].append({**data["results"][0], "policy": "lvf-pf", "base_policy": "lvf"})
+    path, out = tmp_path / "results.json", tmp_path / "f.json"
+    path.write_text(json.dumps(data))
+    assert sim_main(["sim", "fidelity", "--experiment", str(path), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["policy"] for r in report["rows"]] == ["lvf", "swapped-first", "lvf-pf"]
+    sim = report["sim_config"]
+    assert (sim["lvf-pf"]["parked_first"], sim["lvf-pf"]["min_residency"]) == (True, 8)
+    assert sim["lvf"]["parked_first"] is False and sim["lvf"]["min_residency"] != 8
+
+
 def test_sim_defaults_are_the_engines() -> None:
     sim, eng = SimConfig(), EngineConfig()
     shared = {f.name for f in dataclasses.fields(SimConfig)} & {

@@ -12,6 +12,10 @@ serve` (a separate client process), and stops the stack. Then it writes to `--ou
 * `command.txt` — the exact command; `<policy>.json` — bench serve's own output
   (per-request details); `<policy>.trace.json` with `--trace` (iteration timelines).
 
+`--variant LABEL=POLICY [FLAGS]` adds a pass per rate for POLICY with more `serve` flags,
+named LABEL in every table and file (an A/B of an option within one interleaved sweep, on
+the same machine state); `superinfer sim fidelity` replays it with those flags.
+
 The claims checked: issue #7's (at the highest rate where any policy keeps TBT attainment
 >= 90 %, `lvf` raises TTFT attainment over `swapped-first` by >= 20 points with TBT
 attainment within 5 points) and issue #18's (at the rates from 1.5x the saturation rate
@@ -44,6 +48,7 @@ from typing import Any
 
 import httpx
 
+from common.config import POLICY_NAMES
 from common.daemon import free_port
 from superinfer.bench.report import table
 from superinfer.bench.serve.summary import format_misses
@@ -78,6 +83,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--serve-args", default="",
                    help="more flags for `superinfer serve`, e.g. '--min-residency 8'")
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL=POLICY [FLAGS]",
+                   help="one more pass per rate, labelled LABEL: POLICY with FLAGS added to "
+                        "`serve`'s, e.g. 'lvf-pf=lvf --parked-first' (repeatable); with "
+                        "--interleave it runs beside the policies it is compared with. The "
+                        "claims are checked for lvf as before, and again for each lvf variant "
+                        "in lvf's place, against the baselines only")
     p.add_argument("--trace", action="store_true", help="write each policy's iteration trace")
     p.add_argument("--interleave", action="store_true",
                    help="rates outside, policies inside (a fresh stack per pass, the policy "
@@ -121,13 +132,43 @@ def machine_facts() -> dict[str, Any]:
     }
 
 
+def parse_variants(specs: list[str], policies: list[str]) -> dict[str, dict[str, str]]:
+    """`--variant LABEL=POLICY [FLAGS]` -> {label: {"policy": POLICY, "serve_args": FLAGS}}."""
+    out: dict[str, dict[str, str]] = {}
+    for spec in specs:
+        label, sep, rest = spec.partition("=")
+        label, words = label.strip(), rest.split(None, 1)
+        if not sep or not label or not words:
+            raise ValueError(f"--variant {spec!r}: expected LABEL=POLICY [FLAGS], e.g. "
+                             "'lvf-pf=lvf --parked-first'")
+        if label in POLICY_NAMES or label in policies or label in out:
+            raise ValueError(f"--variant {spec!r}: the label {label!r} is taken (a policy's "
+                             "name or another variant's); choose another")
+        if not all(c.isalnum() or c in "-_." for c in label):
+            raise ValueError(f"--variant {spec!r}: a label is letters, digits, '-', '_' and "
+                             "'.' only (it names the pass's files)")
+        if words[0] not in POLICY_NAMES:
+            raise ValueError(f"--variant {spec!r}: unknown policy {words[0]!r}; choose one "
+                             f"of {', '.join(POLICY_NAMES)}")
+        out[label] = {"policy": words[0], "serve_args": words[1] if len(words) > 1 else ""}
+    return out
+
+
+def base_policy(name: str, config: dict[str, Any]) -> str:
+    """The policy a pass named `name` ran: its own name, or its variant's policy."""
+    variant = (config.get("variants") or {}).get(name)
+    return name if variant is None else str(variant["policy"])
+
+
 def engine_argv(policy: str, config: dict[str, Any]) -> list[str]:
-    """The engine flags `serve` gets for one policy (`superinfer sim fidelity` reads them too)."""
+    """The engine flags `serve` gets for one policy or variant label (`superinfer sim
+    fidelity` reads them too); a variant's own flags come after `--serve-args`."""
+    variant = (config.get("variants") or {}).get(policy) or {}
     return [
-        "--policy", policy, "--device-blocks", str(config["device_blocks"]),
+        "--policy", base_policy(policy, config), "--device-blocks", str(config["device_blocks"]),
         "--host-blocks", str(config["host_blocks"]), "--max-num-seqs", str(config["max_num_seqs"]),
         "--ttft-slo", str(config["ttft_slo"]), "--tbt-slo", str(config["tbt_slo"]),
-        *shlex.split(config["serve_args"]),
+        *shlex.split(config["serve_args"]), *shlex.split(variant.get("serve_args", "")),
     ]
 
 
@@ -152,7 +193,7 @@ class Stack:
         deadline = time.monotonic() + args.startup_timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"`superinfer serve --policy {policy}` exited with "
+                raise RuntimeError(f"`superinfer serve` for {policy} exited with "
                                    f"{self.proc.returncode}: see {run_dir / 'serve.out'}")
             try:
                 if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1.0,
@@ -233,6 +274,23 @@ def pareto_claim(rows: list[dict[str, Any]], saturation: float | None) -> dict[s
     return {"rates": per_rate, "holds": all(r["holds"] for r in per_rate) if per_rate else None}
 
 
+def check_claims(rows: list[dict[str, Any]], variants: dict[str, dict[str, str]],
+                 saturation: float | None) -> dict[str, Any]:
+    """Both claims on the plain policies' passes (a variant is nobody's baseline), then
+    issue #18's again for each lvf variant in lvf's place, against the passes of the
+    policies that are not lvf."""
+    plain = [r for r in rows if r["policy"] not in variants]
+    baselines = [r for r in plain if r["policy"] != "lvf"]
+    return {
+        "claim": claim(plain), "claim_issue18": pareto_claim(plain, saturation),
+        "claim_issue18_variants": {
+            label: pareto_claim(
+                baselines + [{**r, "policy": "lvf"} for r in rows if r["policy"] == label],
+                saturation)
+            for label, v in variants.items() if v["policy"] == "lvf"},
+    }
+
+
 KEYS = ["policy", "rps", "requests", "completed", "failed", "ttft_attainment", "tbt_attainment",
         "tpot_attainment", "p50_ttft_s", "p99_ttft_s", "p50_tbt_s", "p99_tbt_s", "goodput_rps",
         "goodput_every_gap_rps", "throughput_tok_s", "rotations"]
@@ -258,9 +316,15 @@ def run(args: argparse.Namespace) -> int:
             args.rates = ",".join(f"{f * args.saturation:g}" for f in (0.5, 1.0, 1.5, 2.0))
     if args.rates is None:
         args.rates = "0.4,1.0,1.6,2.4"
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    try:
+        args.variants = parse_variants(args.variant, policies)
+    except ValueError as e:
+        print(f"superinfer bench experiment: error: {e}", file=sys.stderr)
+        return 2
+    policies += list(args.variants)
     rows: list[dict[str, Any]] = []
     t_start = time.monotonic()
-    policies = args.policies.split(",")
     if args.interleave:
         passes = [(p, r) for i, r in enumerate(args.rates.split(","))
                   for p in (policies if i % 2 == 0 else policies[::-1])]
@@ -303,18 +367,18 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             for r in json.loads(path.read_text())["results"]:
                 # What the machine was doing: the 1/5/15-min load average as the pass began.
-                rows.append({**r, "pass_started_utc": began, "load_average_at_pass": load})
+                rows.append({**r, "base_policy": base_policy(policy, vars(args)),
+                             "pass_started_utc": began, "load_average_at_pass": load})
         finally:
             stack.stop()
     # Per policy by rate (an infinite rate, every request at t = 0, has rps None: last).
     rows.sort(key=lambda r: (policies.index(r["policy"]),
                              math.inf if r["rps"] is None else r["rps"]))
     rated = [r for r in rows if r["rps"] is not None]  # the claims and the plot need rates
-    verdict = claim(rated)
-    pareto = pareto_claim(rated, args.saturation)
+    claims = check_claims(rated, args.variants, args.saturation)
+    verdict, pareto = claims["claim"], claims["claim_issue18"]
     summary = {"command": command, "config": vars(args), "machine": facts,
-               "wall_s": round(time.monotonic() - t_start, 1), "results": rows,
-               "claim": verdict, "claim_issue18": pareto}
+               "wall_s": round(time.monotonic() - t_start, 1), "results": rows, **claims}
     (out / "results.json").write_text(json.dumps(summary, indent=1, default=str))
     (out / "command.txt").write_text(command + "\n")
     text = table(KEYS, [[_cell(r.get(k)) for k in KEYS] for r in rows])
@@ -328,6 +392,8 @@ def run(args: argparse.Namespace) -> int:
           f"{args.device_blocks} blocks x 16 tokens, host pool {args.host_blocks} blocks.", "",
           "```", text, "```", "", f"Claim check (issue #7): `{json.dumps(verdict)}`", "",
           f"Claim check (issue #18): `{json.dumps(pareto)}`", "",
+          *(f"Claim check (issue #18), {label} in lvf's place: `{json.dumps(c)}`\n"
+            for label, c in summary["claim_issue18_variants"].items()),
           "Where the missed requests' time went (the server's /metrics, per pass):", "",
           "```", *misses, "```", ""]
     (out / "table.md").write_text("\n".join(md))
@@ -340,5 +406,7 @@ def run(args: argparse.Namespace) -> int:
     print("\n".join(misses))
     print(f"claim (issue #7): {json.dumps(verdict)}")
     print(f"claim (issue #18): {json.dumps(pareto)}")
+    for label, c in summary["claim_issue18_variants"].items():
+        print(f"claim (issue #18), {label} in lvf's place: {json.dumps(c)}")
     print(f"wrote {out}/results.json, table.md, attainment.png ({summary['wall_s']} s)")
     return 0

@@ -266,7 +266,7 @@ def compare(
     rows, configs = [], {}
     for real in data["results"]:
         policy, rps = str(real["policy"]), float(real["rps"])
-        ec, transfer = engine_config(config, real.get("base_policy") or policy)
+        ec, transfer = engine_config(config, policy)  # a variant's label: its own flags
         cfg = SimConfig.from_engine(ec, **transfer)
         configs[policy] = asdict(cfg)
         spec, trace = trace_for(config, rps)
