@@ -56,6 +56,37 @@ def test_model_profile_derived_sizes() -> None:
     assert load_model("llama-3-8b").kv_bytes_per_token == 128 * 1024
     mix = load_model("mixtral-8x7b")
     assert mix.num_experts == 8 and mix.experts_per_token == 2
+    # The bundled model: weights counted at 4 bytes (as the CPU profile was fitted), its KV
+    # block as the worker's bf16 pool holds it: 30 layers x K,V x 3 heads x 64 x 2 x 16.
+    small = load_model("smollm2-135m")
+    assert small.block_bytes(16) == 368_640 and small.weight_bytes == 4 * small.total_params
+
+
+def test_calibration_warns_where_the_model_profile_counts_other_block_bytes(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from superinfer.sim.calibrate import warn_block_bytes
+
+    assert warn_block_bytes(368_640, 16, "bfloat16") and not capsys.readouterr().err
+    assert not warn_block_bytes(737_280, 16, "float32")
+    err = capsys.readouterr().err
+    assert "737,280" in err and "kv_dtype_bytes" in err and "to 4 " in err
+
+
+def test_a_models_kv_element_size_may_differ_from_its_weights(tmp_path: Path) -> None:
+    data = json.loads((PROFILE_DIR / "models" / "llama-3-8b.json").read_text())
+    data["kv_dtype_bytes"] = 1  # an fp8 cache beside bf16 weights
+    path = tmp_path / "fp8kv.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match="no source given for kv_dtype_bytes"):
+        load_model(str(path))
+    data["sources"]["kv_dtype_bytes"] = "fp8 KV cache"
+    path.write_text(json.dumps(data))
+    m = load_model(str(path))
+    assert m.kv_bytes_per_token == 64 * 1024 and m.weight_bytes == load_model("llama-3-8b").weight_bytes
+    data["kv_dtype_bytes"] = 1.5
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match="kv_dtype_bytes.*integer"):
+        load_model(str(path))
 
 
 def test_profile_errors_are_clear(tmp_path: Path) -> None:

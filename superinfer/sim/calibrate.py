@@ -337,7 +337,8 @@ async def _measure(quick: bool, timeout_s: float) -> dict[str, Any]:
         points, rpc = await measure_iterations(worker, handle.pool_id, block_size, reps)
         # What `--dtype auto` chose here: the weights' format and the KV pool's dtype.
         out: dict[str, Any] = {"iterations": points, "execute_rpc_overhead_s": rpc,
-                               "executor_format": info.dtype, "kv_dtype": handle.dtype}
+                               "executor_format": info.dtype, "kv_dtype": handle.dtype,
+                               "block_size": block_size}
         for mode in ("duplex", "block-first", "layer-first"):
             kaddr = svc.start(f"kvmem-{mode}", ["kvmem", "--host-blocks", str(HOST_BLOCKS),
                                                 "--transfer-mode", mode])
@@ -439,12 +440,29 @@ def _threads() -> str:
     return os.environ.get("OMP_NUM_THREADS") or f"torch default ({os.cpu_count()} CPUs)"
 
 
+def warn_block_bytes(pool_block_bytes: int, block_size: int, kv_dtype: str) -> bool:
+    """Does the model profile count a KV block as the worker's pool holds it? If not, say
+    so (the fit and every simulated transfer would count the wrong bytes) and what to do."""
+    model = load_model("smollm2-135m")
+    modelled = model.block_bytes(block_size)
+    if modelled == pool_block_bytes:
+        return True
+    element = model.dtype_bytes if model.kv_dtype_bytes is None else model.kv_dtype_bytes
+    print(f"calibrate: warning: the smollm2-135m model profile counts a {block_size}-token KV "
+          f"block as {modelled:,} bytes, the worker's pool ({kv_dtype}) holds {pool_block_bytes:,}"
+          f"; set kv_dtype_bytes in superinfer/sim/profiles/models/smollm2-135m.json to "
+          f"{pool_block_bytes * element / modelled:g} (or the simulator moves "
+          f"{modelled / pool_block_bytes:g}x the bytes per block)", file=sys.stderr)
+    return False
+
+
 def calibrate(out: Path | None = None, quick: bool = False, timeout_s: float = 300.0,
               serving: bool = True, serving_rate: float = SERVING_RATE) -> Path:
     load_start = os.getloadavg() if hasattr(os, "getloadavg") else (math.nan,) * 3
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     t0 = time.monotonic()
     m = asyncio.run(_measure(quick, timeout_s))
+    warn_block_bytes(m["block_bytes"], m["block_size"], m["kv_dtype"])
     points = m["iterations"]
     c0, flops, bw, attn_bw = fit_iterations(points)
     rpc = statistics.median(m["execute_rpc_overhead_s"])

@@ -222,10 +222,12 @@ class ModelProfile:
     experts_per_token: int = 1
     expert_params: float = 0.0  # all experts' parameters (MoE), part of total_params
     sources: dict[str, str] | None = None
+    kv_dtype_bytes: int | None = None  # the KV cache's element size, where not dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        kv = self.dtype_bytes if self.kv_dtype_bytes is None else self.kv_dtype_bytes
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * kv
 
     @property
     def weight_bytes(self) -> float:
@@ -240,6 +242,8 @@ _MODEL_INT_KEYS = ["num_layers", "hidden_size", "num_q_heads", "num_kv_heads", "
                    "vocab_size", "max_model_len", "dtype_bytes", "num_experts",
                    "experts_per_token"]
 _MODEL_FLOAT_KEYS = ["total_params", "active_params", "lm_head_params", "expert_params"]
+# Where the KV cache's element size is not the weights' (a quantized model with a bf16 cache).
+_MODEL_OPTIONAL_INT_KEYS = ["kv_dtype_bytes"]
 
 
 def load_model(name_or_path: str) -> ModelProfile:
@@ -256,5 +260,11 @@ def load_model(name_or_path: str) -> ModelProfile:
         raise ProfileError(f"{where}: experts_per_token exceeds num_experts")
     if floats["expert_params"] > floats["total_params"]:
         raise ProfileError(f"{where}: expert_params exceeds total_params")
-    sources = _check_sources(data, [*_MODEL_INT_KEYS, *_MODEL_FLOAT_KEYS], where)
+    optional = [k for k in _MODEL_OPTIONAL_INT_KEYS if k in data]
+    for k in optional:
+        v = _number(data, k, where)
+        if v != int(v):
+            raise ProfileError(f"{where}: {k!r} must be an integer, got {v}")
+        ints[k] = int(v)
+    sources = _check_sources(data, [*_MODEL_INT_KEYS, *_MODEL_FLOAT_KEYS, *optional], where)
     return ModelProfile(name=str(data.get("name", where.stem)), sources=sources, **ints, **floats)
