@@ -247,7 +247,11 @@ def check_tensor_parallel(args: argparse.Namespace) -> str | None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    EngineConfig.from_args(args)  # flag errors here, not in a child's log
+    try:
+        EngineConfig.from_args(args)  # flag errors here, not in a child's log
+    except ValueError as e:
+        print(f"superinfer serve: error: {e}", file=sys.stderr)
+        return 2
     problem = check_tensor_parallel(args)
     if problem:
         print(f"superinfer serve: error: {problem}", file=sys.stderr)

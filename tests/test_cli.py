@@ -35,6 +35,22 @@ def test_bad_input_is_one_clear_line(args: list[str], message: str) -> None:
     assert len(lines) == 1 and message in lines[0], p.stderr
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["--park-cover", "0"], "--park-cover must be positive"),
+    (["--iteration-budget", "1.5"], "--iteration-budget"),
+])
+def test_serve_refuses_a_bad_engine_flag_in_one_line_before_any_process(
+        tmp_path: Path, args: list[str], message: str) -> None:
+    run_dir = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "superinfer.cli", "serve", "--run-dir",
+                        str(run_dir), *args], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("superinfer serve: error: "), p.stderr
+    assert message in lines[0]
+    assert not run_dir.exists() or not any(q.suffix in (".out", ".pid") for q in run_dir.iterdir())
+
+
 def test_corrupt_model_file(tmp_path: Path) -> None:
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + bytes(range(256)) * 40)
