@@ -722,8 +722,12 @@ def test_an_lvf_variant_is_checked_in_lvfs_place_and_is_no_ones_baseline() -> No
     # The variant beats lvf on both, but is not a baseline: lvf's own verdict is against
     # fcfs only (which lvf beats); the variant is checked against fcfs, not against lvf.
     rows = [row("lvf", 0.9, 0.95, 1.0), row("fcfs", 0.8, 0.96, 0.9), row("lvf-pf", 1.0, 0.99, 1.2)]
+    for r, good in zip(rows, (90, 95, 99), strict=True):
+        r["good_requests"] = good  # shown beside goodput: the machine's speed does not move it
     claims = check_claims(rows, variants, saturation=2.4)
     assert claims["claim_issue18"]["holds"] is True
+    at = claims["claim_issue18"]["rates"][0]
+    assert (at["good_requests"], at["most_other_good_requests"]) == (90, 95)
     assert claims["claim_issue18_variants"]["lvf-pf"]["holds"] is True
     rows[1] = row("fcfs", 1.0, 0.995, 1.0)  # now fcfs dominates both
     claims = check_claims(rows, variants, saturation=2.4)
