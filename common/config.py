@@ -53,7 +53,7 @@ class EngineConfig:
     # The worker's ranks, one process each, in one torch.distributed group (worker/tp.py).
     tensor_parallel_size: int = 1
     policy: str = "lvf"
-    alpha: float = 0.3
+    alpha: float = 1.0  # policy/vlt.py VLTParams: slack in equal seconds (measured there)
     beta_b: float = 0.0
     beta_f: float = 0.0
     # LVF: a parked request that has streamed counts its slack only until this share of its
@@ -181,7 +181,9 @@ class EngineConfig:
                             "must divide by N")
         s = p.add_argument_group("scheduling (RotaSched)")
         s.add_argument("--policy", default="lvf", choices=list(POLICY_NAMES))
-        s.add_argument("--alpha", type=float, default=0.3)
+        s.add_argument("--alpha", type=float, default=1.0,
+                       help="LVF: a started request's lag counts alpha times against a new "
+                            "one's, its lead 1/alpha times (1: slack in equal seconds)")
         s.add_argument("--beta-b", type=float, default=0.0)
         s.add_argument("--beta-f", type=float, default=0.0)
         s.add_argument("--max-stall", type=optional_float, default=None,

@@ -34,14 +34,22 @@ a batch-class request 13 s from its 20 s TTFT deadline outranked an interactive 
 from its 1 s deadline, which then missed it (measured, docs/sim/issue18/README.md). With
 one class the two are the same. α weighs a started request against a new one: its lag counts
 α times, its lead 1/α times, so a larger α makes it more urgent at every moment (and a
-running request a later victim).
+running request a later victim). The default, 1, orders every live request by its slack
+in seconds. It was 0.3, which sent new requests first while a parked one still had slack
+and let it sit out parks that used all of it; measured against it (docs/sim/issue18/
+README.md, 2026-12-04 late): the simulator's goodput summed over the 26 must-show cells
++1.9 % and +2.0 % (seeds 0, 1), TPOT up in every cell that fails on it, Llama-3-8B at
+140 req/s passing, the mixed artifact cell's interactive TTFT down 0.5 points (now under
+waiting-first's); on the CPU stack's twin the real-stack claim held on 34 of 40 seeds at
+1.5x saturation (0.3: 25), and on the real stack the longest stall fell from 19-26 s to
+12-16 s with more requests meeting both SLOs on each of four seeds.
 
 A parked request's deadline can lie far ahead, and a streaming user sees the wait for
 it: on the CPU stack the catch-up allowance let a request 16 tokens into 64 sit out 16 s
 and still meet its TPOT, which per-gap TBT counts as one miss and vLLM's goodput as good
 (docs/sim/issue18/real_stack). With `max_stall` = m a parked request's slack counts only
 until m·S_B after its last token (`stall_anchor`): it lags from then on, and before then
-it outranks a new request once its slack is under α times the new one's (with α 0.3 and
+it outranks a new request once its slack is under α times the new one's (with α 1 and
 m 0.25, at once against one just arrived). Only its rank moves: whether it is late still
 follows D alone, so the bound never makes a request late (late ones are served last).
 It is off by default. On the CPU stack (m 0.25, 1.5x and 2x) it cut the longest stall
@@ -64,7 +72,7 @@ from scheduler_svc.request import Request, RequestState
 
 @dataclass(slots=True, frozen=True)
 class VLTParams:
-    alpha: float = 0.3  # weight of a started request's lag against a new one's (module doc)
+    alpha: float = 1.0  # weight of a started request's lag against a new one's (module doc)
     beta_b: float = 0.0  # TTFT tolerance: lag starts after (1 - beta_b) of the TTFT budget
     beta_f: float = 0.0  # TBT tolerance: lag starts after (1 - beta_f) of the TPOT budget
     # A parked started request lags at the latest this share of its TTFT SLO after its
