@@ -190,7 +190,14 @@ class Stack:
         self.log = open(run_dir / "serve.out", "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
-        deadline = time.monotonic() + args.startup_timeout
+        try:
+            self._wait_ready(policy, args.startup_timeout, run_dir)
+        except BaseException:  # a failed start, or the experiment stopped meanwhile
+            self.stop()
+            raise
+
+    def _wait_ready(self, policy: str, timeout_s: float, run_dir: Path) -> None:
+        deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"`superinfer serve` for {policy} exited with "
@@ -202,14 +209,16 @@ class Stack:
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                self.stop()
                 raise RuntimeError(f"the stack for {policy} was not ready in "
-                                   f"{args.startup_timeout:.0f} s: see {run_dir / 'serve.out'}")
+                                   f"{timeout_s:.0f} s: see {run_dir / 'serve.out'}")
             time.sleep(0.5)
 
     def stop(self) -> None:
+        # SIGTERM, which serve handles as Ctrl-C: SIGINT is ignored by every process of an
+        # experiment started in the background (nohup, `&` in a script), so serve never
+        # saw it, and each stack was killed after the 60 s below, its services undrained.
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
@@ -309,7 +318,19 @@ def _cell(v: Any) -> Any:
     return "-" if v is None else v
 
 
+def _terminate(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds: the bench client is killed, the stack stopped
+
+
 def run(args: argparse.Namespace) -> int:
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return _run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = shlex.join(["superinfer", "bench", "experiment", *sys.argv[3:]])
