@@ -421,7 +421,7 @@ def _run(args: argparse.Namespace) -> int:
           "```", text, "```", "", f"Claim check (issue #7): `{json.dumps(verdict)}`", "",
           f"Claim check (issue #18): `{json.dumps(pareto)}`", "",
           *(f"Claim check (issue #18), {label} in lvf's place: `{json.dumps(c)}`\n"
-            for label, c in summary["claim_issue18_variants"].items()),
+            for label, c in claims["claim_issue18_variants"].items()),
           "Where the missed requests' time went (the server's /metrics, per pass):", "",
           "```", *misses, "```", ""]
     (out / "table.md").write_text("\n".join(md))
@@ -434,7 +434,7 @@ def _run(args: argparse.Namespace) -> int:
     print("\n".join(misses))
     print(f"claim (issue #7): {json.dumps(verdict)}")
     print(f"claim (issue #18): {json.dumps(pareto)}")
-    for label, c in summary["claim_issue18_variants"].items():
+    for label, c in claims["claim_issue18_variants"].items():
         print(f"claim (issue #18), {label} in lvf's place: {json.dumps(c)}")
     print(f"wrote {out}/results.json, table.md, attainment.png ({summary['wall_s']} s)")
     return 0

@@ -447,11 +447,10 @@ def warn_block_bytes(pool_block_bytes: int, block_size: int, kv_dtype: str) -> b
     modelled = model.block_bytes(block_size)
     if modelled == pool_block_bytes:
         return True
-    element = model.dtype_bytes if model.kv_dtype_bytes is None else model.kv_dtype_bytes
     print(f"calibrate: warning: the smollm2-135m model profile counts a {block_size}-token KV "
           f"block as {modelled:,} bytes, the worker's pool ({kv_dtype}) holds {pool_block_bytes:,}"
           f"; set kv_dtype_bytes in superinfer/sim/profiles/models/smollm2-135m.json to "
-          f"{pool_block_bytes * element / modelled:g} (or the simulator moves "
+          f"{pool_block_bytes * model.kv_element_bytes / modelled:g} (or the simulator moves "
           f"{modelled / pool_block_bytes:g}x the bytes per block)", file=sys.stderr)
     return False
 

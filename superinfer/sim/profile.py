@@ -225,9 +225,12 @@ class ModelProfile:
     kv_dtype_bytes: int | None = None  # the KV cache's element size, where not dtype_bytes
 
     @property
+    def kv_element_bytes(self) -> int:
+        return self.dtype_bytes if self.kv_dtype_bytes is None else self.kv_dtype_bytes
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        kv = self.dtype_bytes if self.kv_dtype_bytes is None else self.kv_dtype_bytes
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * kv
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.kv_element_bytes
 
     @property
     def weight_bytes(self) -> float:
@@ -248,8 +251,9 @@ _MODEL_OPTIONAL_INT_KEYS = ["kv_dtype_bytes"]
 
 def load_model(name_or_path: str) -> ModelProfile:
     data, where = _read("models", name_or_path)
+    optional = [k for k in _MODEL_OPTIONAL_INT_KEYS if k in data]
     ints: dict[str, Any] = {}
-    for k in _MODEL_INT_KEYS:
+    for k in [*_MODEL_INT_KEYS, *optional]:
         v = _number(data, k, where)
         if v != int(v):
             raise ProfileError(f"{where}: {k!r} must be an integer, got {v}")
@@ -260,11 +264,5 @@ def load_model(name_or_path: str) -> ModelProfile:
         raise ProfileError(f"{where}: experts_per_token exceeds num_experts")
     if floats["expert_params"] > floats["total_params"]:
         raise ProfileError(f"{where}: expert_params exceeds total_params")
-    optional = [k for k in _MODEL_OPTIONAL_INT_KEYS if k in data]
-    for k in optional:
-        v = _number(data, k, where)
-        if v != int(v):
-            raise ProfileError(f"{where}: {k!r} must be an integer, got {v}")
-        ints[k] = int(v)
     sources = _check_sources(data, [*_MODEL_INT_KEYS, *_MODEL_FLOAT_KEYS, *optional], where)
     return ModelProfile(name=str(data.get("name", where.stem)), sources=sources, **ints, **floats)

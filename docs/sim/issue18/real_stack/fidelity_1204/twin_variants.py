@@ -28,11 +28,11 @@ def main(hardware: str, paths: str, variants: str) -> None:
             print(f"   real {r['policy']:<22} {100 * r['ttft_attainment']:5.1f} / "
                   f"{100 * r['tbt_attainment']:5.2f} / {100 * r['tpot_attainment']:5.1f}  "
                   f"{r['goodput_rps']:.3f}")
+        spec, trace = fidelity.trace_for(config, rps)  # one trace, every variant replays it
         for v in variants.split(","):
             pv = PolicyVariant.parse(v)
             ec, transfer = fidelity.engine_config(config, pv.policy)
             cfg = pv.apply(SimConfig.from_engine(ec, **transfer))
-            spec, trace = fidelity.trace_for(config, rps)
             res = Simulator(hw, model, pv.policy, cfg, label=v).run(trace, spec.trace_duration_s)
             row = result_row(rps, res)
             print(f"   sim  {v:<22} {100 * row['ttft_attainment']:5.1f} / "
