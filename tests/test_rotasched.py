@@ -239,6 +239,51 @@ def test_a_parked_request_near_its_deadline_does_not_make_lvf_rotate() -> None:
         assert sched._rotation_needed(iter([head, r]), now)[0] is needed, state
 
 
+@pytest.mark.parametrize("seat_limit, needed", [(2, False), (1, True)])
+def test_lvf_counts_the_running_requests_over_the_seat_limit_before_a_seat_frees(
+        seat_limit: int, needed: bool) -> None:
+    """Seats full, 4 finishes a second, a new request with 1.6 s of slack: the first seat
+    that frees is its in 0.25 s, within its slack less the 1.25 s margin. Where the time
+    budget's seat limit has fallen to one under two running requests, the first finish
+    frees no seat: its seat comes in 0.5 s, past that, and LVF rotates for it (counted
+    from k alone, interactive requests in the simulator waited for seats that were not
+    coming and missed their 1 s TTFT)."""
+    sched, clock = _two_seats(RotationLimits())
+    now = 10.5
+    for i in range(1, 10 * 4 + 1):
+        sched.turnover.record(now - 10.0 + i / 4)
+    gap = sched.policy.gap_s
+    assert gap is not None
+    new = Request("new", [4, 5, 6], SamplingParams(max_tokens=4, ignore_eos=True),
+                  arrival_time=now - 5.0 + 2 * gap + 1.6, slo=SLO(5.0, 1.0))
+    new.set_state(RequestState.WAITING, now)
+    assert sched.policy.slack_s(new, now) == pytest.approx(1.6)
+    sched._seat_limit = seat_limit  # as _time_budget sets it from a slower batch
+    assert sched._rotation_needed(iter([new]), now)[0] is needed
+
+
+@pytest.mark.parametrize("chunk_tokens, needed", [(0, False), (100, False), (4, True)])
+def test_lvf_counts_a_long_prompts_batches_against_its_slack(chunk_tokens: int,
+                                                             needed: bool) -> None:
+    """Seats full, 4 finishes a second, a new request with a 100-token prompt and 1.6 s of
+    slack: its seat frees in 0.25 s, within its slack less the 1.25 s margin, where its
+    prompt fits the batch's prompt tokens (its deadline leaves a batch for it). At 4
+    tokens a batch the prompt takes 24 more batches (0.24 s at 10 ms) and LVF rotates for
+    it (in the simulator, interactive requests with 1,024-token prompts were admitted on
+    time, took 7 batches to prefill and missed their 1 s TTFT SLO)."""
+    sched, clock = _two_seats(RotationLimits())
+    now = 10.5
+    for i in range(1, 10 * 4 + 1):
+        sched.turnover.record(now - 10.0 + i / 4)
+    gap = sched.policy.gap_s
+    assert gap == pytest.approx(0.01)
+    new = Request("new", [1] * 100, SamplingParams(max_tokens=4, ignore_eos=True),
+                  arrival_time=now - 5.0 + 2 * gap + 1.6, slo=SLO(5.0, 1.0))
+    new.set_state(RequestState.WAITING, now)
+    assert sched.policy.slack_s(new, now) == pytest.approx(1.6)
+    assert sched._rotation_needed(iter([new]), now, chunk_tokens)[0] is needed
+
+
 @pytest.mark.parametrize("head_slack, parked_first, first", [
     (4.5, True, "parked"),  # the new request can spare (4.5 - 1.25) * 4 - 1 = 12 seats
     (1.6, True, "head"),  # (1.6 - 1.25) * 4 - 1 = 0.4: not one

@@ -167,6 +167,12 @@ class Policy(ABC):
         cannot any more). Asked only of a policy with `lazy_rotation`."""
         return None
 
+    def prompt_batches_s(self, candidate: Request, chunk_tokens: int) -> float:
+        """How much of its slack `candidate` spends on prompt batches beyond the one its
+        slack already counts, at `chunk_tokens` prompt tokens a batch. Asked only of a
+        policy with `lazy_rotation`."""
+        return 0.0
+
     def on_unservable(self, candidate: Request, now: float) -> Unservable:
         """`candidate` does not fit and nobody may be preempted for it: stop or skip?"""
         return Unservable.STOP

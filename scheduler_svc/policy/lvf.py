@@ -121,6 +121,15 @@ class LVFPolicy(Policy):
         slack = deadline(candidate, self.gap_s) - now
         return slack if slack >= 0.0 else None
 
+    def prompt_batches_s(self, candidate: Request, chunk_tokens: int) -> float:
+        # A new request's deadline leaves two batches for its first token (vlt.deadline):
+        # a prompt longer than one batch's prompt tokens takes a batch per further chunk.
+        gap = self.gap_s
+        if gap is None or chunk_tokens <= 0 or candidate.first_token_time is not None:
+            return 0.0
+        left = len(candidate.prompt_token_ids) - candidate.num_computed_tokens
+        return (-(-left // chunk_tokens) - 1) * gap if left > chunk_tokens else 0.0
+
     def order_key(self, req: Request, rotary: bool) -> OrderKey:
         # Highest VLT first = earliest anchor first within a group; ties to the earlier arrival.
         if req.first_token_time is None:
