@@ -171,6 +171,30 @@ def _step(sched: Scheduler, clock: list[float]) -> None:
     clock[0] += 0.01
 
 
+def _finishing_four_a_second(limits: RotationLimits) -> tuple[Scheduler, float, float]:
+    """_two_seats at 10.5 s, with 4 requests a second finished over the last 10 s; returns
+    the scheduler, now and LVF's time between tokens."""
+    sched, _ = _two_seats(limits)
+    now = 10.5
+    for i in range(1, 10 * 4 + 1):
+        sched.turnover.record(now - 10.0 + i / 4)
+    assert sched.turnover.rate(now, 5.0) == pytest.approx(4.0)
+    gap = sched.policy.gap_s
+    assert gap is not None
+    return sched, now, gap
+
+
+def _new_with_slack(sched: Scheduler, now: float, gap: float, slack: float, rid: str = "new",
+                    prompt: int = 3) -> Request:
+    """A waiting request (5 s TTFT SLO) whose deadline, two batches before it, is `slack`
+    seconds away."""
+    r = Request(rid, [4] * prompt, SamplingParams(max_tokens=4, ignore_eos=True),
+                arrival_time=now - 5.0 + 2 * gap + slack, slo=SLO(5.0, 1.0))
+    r.set_state(RequestState.WAITING, now)
+    assert sched.policy.slack_s(r, now) == pytest.approx(slack)
+    return r
+
+
 @pytest.mark.parametrize("limits, per_s, rotates_at", [
     (RotationLimits(lazy_rotation=False), 4, 10.0),  # it lags more than the running ones
     (RotationLimits(lazy_margin=0.0), 4, 14.8),  # 0.18 s of slack left, under the 0.25 s wait
@@ -214,13 +238,8 @@ def test_a_parked_request_near_its_deadline_does_not_make_lvf_rotate() -> None:
     rotates for it (0.5 s to its seat + the 1.25 s margin), but parked, not: a rotation
     would seat the new request at the head and park another running one (on the real
     stack at 1.5x saturation, such rotations parked 56-81 requests per pass)."""
-    sched, clock = _two_seats(RotationLimits())
-    now = 10.5
-    for i in range(1, 10 * 4 + 1):
-        sched.turnover.record(now - 10.0 + i / 4)
-    assert sched.turnover.rate(now, 5.0) == pytest.approx(4.0)
-    head = Request("head", [4, 5, 6], SamplingParams(max_tokens=4, ignore_eos=True),
-                   arrival_time=10.0, slo=SLO(5.0, 1.0))
+    sched, now, gap = _finishing_four_a_second(RotationLimits())
+    head = _new_with_slack(sched, now, gap, 4.5 - 2 * gap, "head")  # arrived at 10 s
 
     def second(state: RequestState) -> Request:
         r = Request("second", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True),
@@ -248,16 +267,8 @@ def test_lvf_counts_the_running_requests_over_the_seat_limit_before_a_seat_frees
     frees no seat: its seat comes in 0.5 s, past that, and LVF rotates for it (counted
     from k alone, interactive requests in the simulator waited for seats that were not
     coming and missed their 1 s TTFT)."""
-    sched, clock = _two_seats(RotationLimits())
-    now = 10.5
-    for i in range(1, 10 * 4 + 1):
-        sched.turnover.record(now - 10.0 + i / 4)
-    gap = sched.policy.gap_s
-    assert gap is not None
-    new = Request("new", [4, 5, 6], SamplingParams(max_tokens=4, ignore_eos=True),
-                  arrival_time=now - 5.0 + 2 * gap + 1.6, slo=SLO(5.0, 1.0))
-    new.set_state(RequestState.WAITING, now)
-    assert sched.policy.slack_s(new, now) == pytest.approx(1.6)
+    sched, now, gap = _finishing_four_a_second(RotationLimits())
+    new = _new_with_slack(sched, now, gap, 1.6)
     sched._seat_limit = seat_limit  # as _time_budget sets it from a slower batch
     assert sched._rotation_needed(iter([new]), now)[0] is needed
 
@@ -271,16 +282,9 @@ def test_lvf_counts_a_long_prompts_batches_against_its_slack(chunk_tokens: int,
     tokens a batch the prompt takes 24 more batches (0.24 s at 10 ms) and LVF rotates for
     it (in the simulator, interactive requests with 1,024-token prompts were admitted on
     time, took 7 batches to prefill and missed their 1 s TTFT SLO)."""
-    sched, clock = _two_seats(RotationLimits())
-    now = 10.5
-    for i in range(1, 10 * 4 + 1):
-        sched.turnover.record(now - 10.0 + i / 4)
-    gap = sched.policy.gap_s
+    sched, now, gap = _finishing_four_a_second(RotationLimits())
     assert gap == pytest.approx(0.01)
-    new = Request("new", [1] * 100, SamplingParams(max_tokens=4, ignore_eos=True),
-                  arrival_time=now - 5.0 + 2 * gap + 1.6, slo=SLO(5.0, 1.0))
-    new.set_state(RequestState.WAITING, now)
-    assert sched.policy.slack_s(new, now) == pytest.approx(1.6)
+    new = _new_with_slack(sched, now, gap, 1.6, prompt=100)
     assert sched._rotation_needed(iter([new]), now, chunk_tokens)[0] is needed
 
 
@@ -295,14 +299,8 @@ def test_parked_requests_go_ahead_of_new_ones_that_can_spare_the_seats(
     streamed goes ahead of the new one that heads LVF's order where the new one's slack
     covers the extra seat (on the real stack at 1.5x, LVF seated new requests with 8-9 s
     of a 10 s SLO left while parked ones stalled), and admission holds blocks for it."""
-    sched, clock = _two_seats(RotationLimits(parked_first=parked_first))
-    now = 10.5
-    for i in range(1, 10 * 4 + 1):
-        sched.turnover.record(now - 10.0 + i / 4)
-    gap = sched.policy.gap_s
-    assert gap is not None
-    head = Request("head", [4, 5, 6], SamplingParams(max_tokens=4, ignore_eos=True),
-                   arrival_time=now - 5.0 + 2 * gap + head_slack, slo=SLO(5.0, 1.0))
+    sched, now, gap = _finishing_four_a_second(RotationLimits(parked_first=parked_first))
+    head = _new_with_slack(sched, now, gap, head_slack, "head")
     parked = Request("parked", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True),
                      arrival_time=0.0, slo=SLO(5.0, 1.0))
     parked.first_token_time = 9.0
