@@ -27,6 +27,7 @@ from superinfer.sim import fidelity
 from superinfer.sim.cost import LAYOUTS
 from superinfer.sim.engine import (
     AUTO,
+    LENGTHS,
     PolicyVariant,
     SimConfig,
     SimResult,
@@ -126,6 +127,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--max-output-len", type=int, default=1024)
     w.add_argument("--length-scale", type=float, default=1.0,
                    help="multiply sampled lengths before clipping")
+    w.add_argument("--lengths", choices=list(LENGTHS), default="known",
+                   help="what the scheduler knows of output lengths: known (ignore_eos and "
+                        "max_tokens = the length, as vLLM bench sends) or unknown (no "
+                        "max_tokens: the context bounds it, and it ends by EOS)")
     s = p.add_argument_group("scheduling (RotaSched)")
     s.add_argument("--policies", default="lvf,swapped-first,waiting-first,fcfs",
                    help="comma-separated policies, each optionally name:key=value:...")
@@ -226,6 +231,7 @@ def build_config(args: argparse.Namespace) -> SimConfig:
         device_blocks=args.device_blocks,
         host_blocks=args.host_blocks,
         max_sim_s=args.max_sim_s,
+        lengths=args.lengths,
     )
 
 
@@ -301,7 +307,9 @@ def run(args: argparse.Namespace) -> int:
         st = trace_stats(traces[spec.rps])
         print(f"\nRPS {spec.rps:g}: {st['requests']} requests ({args.dataset}, prompt mean "
               f"{st.get('prompt_mean', 0):.0f}, output mean {st.get('output_mean', 0):.0f}); "
-              f"SLOs TTFT {cfg.ttft_slo:g} s, TBT {cfg.tbt_slo * 1000:g} ms")
+              f"SLOs TTFT {cfg.ttft_slo:g} s, TBT {cfg.tbt_slo * 1000:g} ms"
+              + ("; lengths unknown to the scheduler (no max_tokens, EOS)"
+                 if cfg.lengths == "unknown" else ""))
         at = [r for r in rows if r["rps"] == spec.rps]
         print(format_table(at))
         classes = format_classes(at)

@@ -14,7 +14,8 @@ whatever the step overlaps — the pipelined step plans t+1 and runs its copies 
 t executes — overlaps here exactly as the engine does it.
 
 Requests join when the clock passes their arrival; an idle engine jumps to the next
-arrival. Requests run with ignore_eos and max_tokens = the trace's output length.
+arrival. Requests run with ignore_eos and max_tokens = the trace's output length, or
+(`lengths="unknown"`) with the context as max_tokens, ending by EOS at that length.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from superinfer.slo_metrics import RequestRecord, SLOMetrics, compute_metrics
 from superinfer.workload import TraceRequest
 
 AUTO = -1  # xfer/eager budgets: size to the link (see Simulator)
+LENGTHS = ("known", "unknown")  # SimConfig.lengths
+EOS_TOKEN = 1  # what a request of unknown length samples last (token 0 before it)
 # B_xfer "auto": blocks one direction of the link moves in this time. With GH200 and
 # Qwen2.5-32B (4 MiB blocks at 175 GB/s) it gives ~2090, near the paper's default of 2400.
 XFER_REFERENCE_S = 0.05
@@ -93,6 +96,11 @@ class SimConfig:
     host_blocks: int | None = None
     max_sim_s: float | None = None  # stop the clock here (None: 10x the trace + 600 s)
     max_model_len: int | None = None  # None: the model profile's context
+    # What the scheduler knows of each request's output length: "known" (the artifact's
+    # and vLLM bench's: ignore_eos, max_tokens = the trace's length) or "unknown" (an
+    # OpenAI client that sends no max_tokens: the bound is the context, and the request
+    # ends by EOS at the trace's length).
+    lengths: str = "known"
 
     @classmethod
     def from_engine(cls, ec: EngineConfig, **overrides: Any) -> SimConfig:
@@ -115,6 +123,8 @@ class SimConfig:
             raise SimulationError(f"--xfer-budget-blocks must be >= 0, got {self.xfer_budget_blocks}")
         if self.eager_budget_blocks < AUTO:
             raise SimulationError(f"--eager-budget-blocks must be >= 0, got {self.eager_budget_blocks}")
+        if self.lengths not in LENGTHS:
+            raise SimulationError(f"--lengths must be one of {', '.join(LENGTHS)}, got {self.lengths!r}")
         if self.cost not in ("online", "model", "none"):
             raise SimulationError(f"--iteration-cost must be online, model or none, got {self.cost!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -358,11 +368,19 @@ class Simulator:
                 olen = max(1, min(tr.output_len, max_len - plen))
                 clipped += plen != tr.prompt_len or olen != tr.output_len
                 own = slo if tr.slo is None else SLO(tr.slo.ttft_s, tr.slo.tbt_s)
-                req = Request(
-                    f"r{tr.index}", [0] * plen,
-                    SamplingParams(max_tokens=olen, temperature=0.0, ignore_eos=True),
-                    arrival_time=tr.arrival_s, slo=own,
-                )
+                if cfg.lengths == "known":
+                    req = Request(
+                        f"r{tr.index}", [0] * plen,
+                        SamplingParams(max_tokens=olen, temperature=0.0, ignore_eos=True),
+                        arrival_time=tr.arrival_s, slo=own,
+                    )
+                else:  # bounded by the context; its EOS comes at the trace's length
+                    req = Request(
+                        f"r{tr.index}", [0] * plen,
+                        SamplingParams(max_tokens=max_len - plen, temperature=0.0),
+                        arrival_time=tr.arrival_s, slo=own, eos_token_ids=(EOS_TOKEN,),
+                    )
+                    worker.ends[req.request_id] = olen
                 if tr.slo is not None:
                     classes[req.request_id] = tr.slo.name
                 try:
@@ -448,11 +466,13 @@ class Simulator:
 
 class _SimWorker:
     """The execution cost model as the core's Executor: one batch at a time, each taking
-    its modelled time; every sampled request gets token 0."""
+    its modelled time; every sampled request gets token 0, or EOS_TOKEN as its output
+    reaches `ends[request id]` (the requests that run until EOS)."""
 
     def __init__(self, model: ExecutionCostModel) -> None:
         self.model = model
         self._busy: asyncio.Lock | None = None
+        self.ends: dict[str, int] = {}
 
     async def execute(
         self, iteration: int, chunks: list[ScheduledChunk], after: int = 0,
@@ -463,7 +483,10 @@ class _SimWorker:
             self._busy = asyncio.Lock()
         async with self._busy:  # FIFO: batches run in the order they were sent
             await asyncio.sleep(ex)
-        return ExecuteResult(sampled={c.request_id: 0 for c in chunks if c.sample},
+        ends = self.ends
+        return ExecuteResult(sampled={c.request_id: EOS_TOKEN if ends.get(c.request_id)
+                                      == c.output_index + 1 else 0
+                                      for c in chunks if c.sample},
                              execute_s=ex)
 
 

@@ -4,6 +4,8 @@
         RESULTS.json SEEDS RATES VARIANTS [OUT.json]
 
 TWIN_HW (environment): another hardware profile than cpu-local (a name or a .json).
+TWIN_LENGTHS (environment): "unknown" to send the requests as OpenAI clients without
+max_tokens do (SimConfig.lengths); default "known", as `bench serve` sends them.
 RESULTS.json: a stored `bench experiment` output whose config (pools, SLOs, lengths, serve
 flags) every run takes; SEEDS e.g. 0-19; RATES e.g. 4.32,5.76; VARIANTS e.g.
 lvf,lvf:parked_first=on:label=lvf-pf,swapped-first,waiting-first,fcfs. For each seed and
@@ -45,7 +47,8 @@ def main(path: str, seeds: str, rates: str, variants: str, out: str | None = Non
             at = {}
             for v in vs:
                 ec, transfer = fidelity.engine_config(config, v.policy)
-                cfg = v.apply(SimConfig.from_engine(ec, **transfer))
+                cfg = v.apply(SimConfig.from_engine(
+                    ec, **transfer, lengths=os.environ.get("TWIN_LENGTHS", "known")))
                 res = Simulator(hw, model, v.policy, cfg, label=v.label).run(
                     trace, spec.trace_duration_s)
                 at[v.label] = {**result_row(rate, res), "policy": v.label}
