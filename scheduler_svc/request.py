@@ -172,12 +172,19 @@ class Request:
     # Its chunks carry more than the plain sampling fields (logprobs, echo, penalties,
     # bias, grammar): set once here, as the scheduler asks for every chunk of every batch.
     chunk_extras: bool = field(init=False, default=False, repr=False)
+    # Nothing but max_tokens (or the context) can end it: no EOS that counts, no stop
+    # token, stop string or grammar. Then its output length is known from the start
+    # (a benchmark's ignore_eos requests); else max_tokens only bounds it, and an OpenAI
+    # request without max_tokens gets the whole context as its bound (gateway/prompts.py).
+    length_known: bool = field(init=False, default=False, repr=False)
 
     def __post_init__(self) -> None:
         self._state_since = self._mark = self.arrival_time
         self.transitions.append((self.arrival_time, self.state.value))
         s = self.sampling
         self.chunk_extras = s.logprobs is not None or s.prompt_logprobs or s.stateful
+        self.length_known = ((s.ignore_eos or not self.eos_token_ids) and not s.stop_token_ids
+                             and not s.stop and s.grammar is None)
 
     # -- token accounting ---------------------------------------------------------------
     @property

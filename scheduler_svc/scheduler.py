@@ -280,6 +280,7 @@ class Scheduler:
             del self._ttft_slos[req.slo.ttft_s]
             self._lag_unit_changed()
         req.finish_reason = reason
+        self.policy.observe_finish(req)
         req.set_state(RequestState.FINISHED, now)
         del self.requests[req.request_id]
         self.finished_log.append(req)

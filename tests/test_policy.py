@@ -13,9 +13,11 @@ from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 
 def req(rid: str, arrival: float, state: RequestState = RequestState.WAITING,
         last_token: float | None = None, run_start: float | None = None,
-        slo: SLO | None = None, prompt: int = 8) -> Request:
-    r = Request(rid, list(range(prompt)), SamplingParams(max_tokens=100), arrival,
-                slo=slo or SLO(5.0, 0.1))
+        slo: SLO | None = None, prompt: int = 8, max_tokens: int = 100,
+        eos: bool = False) -> Request:
+    """`eos`: it may end by EOS before max_tokens (its length is not known)."""
+    r = Request(rid, list(range(prompt)), SamplingParams(max_tokens=max_tokens), arrival,
+                slo=slo or SLO(5.0, 0.1), eos_token_ids=(2,) if eos else ())
     r.state = state
     if last_token is not None:
         r.first_token_time = r.last_token_time = last_token
@@ -25,6 +27,9 @@ def req(rid: str, arrival: float, state: RequestState = RequestState.WAITING,
 
 
 P = VLTParams(alpha=3.0, beta_b=0.0, beta_f=0.5)
+# Output-length snapshots (LVFPolicy.lengths) for requests whose length is not known: none
+# finished yet, and a spread of lengths with ties.
+LENGTHS_SEEN = [(), (3, 20, 20, 64, 150, 150, 300, 900)]
 # The inlined arithmetic (merge_key, running_order) is checked against the definitions for
 # each: the defaults, β's, and the stall bound with β_F at 0 and not.
 PARAMS_VARIANTS = [P, VLTParams(), VLTParams(alpha=0.7, beta_b=0.3, beta_f=0.2),
@@ -100,6 +105,81 @@ def test_a_parked_request_behind_its_pace_is_late_only_when_it_cannot_catch_up()
     assert lvf.gap_s == pytest.approx(0.02)
     assert [r.request_id for r in lvf.candidates([fresh], [parked], now)] == ["p", "fresh"]
     assert lvf.may_preempt(victim, parked, now)
+
+
+def test_a_request_of_unknown_length_is_parked_on_less_and_given_up_on_later() -> None:
+    """The catch-up allowance counts the tokens a request will still produce. With
+    ignore_eos (a benchmark's requests) that is max_tokens - k. A request that may end by
+    EOS is ordered by what nine in ten finished requests longer than it went on to
+    produce, at most max_tokens - k, and is late only when not even max_tokens - k would
+    bring it back: an OpenAI request without max_tokens carries the whole context as its
+    bound, and counting on that for its order parked it for catch-ups it never had the
+    tokens for."""
+    from scheduler_svc.policy.vlt import tokens_left
+
+    known = Request("k", [0] * 8, SamplingParams(max_tokens=8000, ignore_eos=True), 0.0,
+                    slo=SLO(5.0, 0.1), eos_token_ids=(2,))
+    loose = req("u", 0.0, max_tokens=8000, eos=True)
+    tight = req("t", 0.0, max_tokens=40, eos=True)
+    assert known.length_known and not loose.length_known
+    assert req("plain", 0.0).length_known  # no EOS it could stop at: max_tokens ends it
+    assert not Request("s", [0], SamplingParams(max_tokens=9, ignore_eos=True,
+                                                stop_token_ids=(5,)), 0.0).length_known
+    lengths = (3, 20, 20, 64, 150, 150, 300, 900)
+    assert tokens_left(known, 10, lengths) == tokens_left(loose, 10) == 7990
+    # Longer than 10: 20, 20, 64, 150, 150, 300, 900; a tenth of them under 20: 10 to go.
+    assert tokens_left(loose, 10, lengths) == 10
+    assert tokens_left(loose, 150, lengths) == 150  # of 300 and 900, the shorter
+    assert tokens_left(loose, 900, lengths) == 0  # none finished longer: nothing
+    assert tokens_left(loose, 10, ()) == 0  # none finished yet
+    assert tokens_left(tight, 5, lengths) == 15 and tokens_left(tight, 30, lengths) == 10
+    # Behind its pace by 2 s (its 10th token was due at 8.0; S_F 100 ms), served at 20 ms
+    # a token: the known one may be 7990 × 0.08 − 0.1 s behind. The loose one lags in the
+    # order (it counts on 10 tokens: 0.7 s) and is not late (8000 would bring it back);
+    # the tight one's bound brings back 30 × 0.08 − 0.1 = 2.3 s: late after 10.3.
+    for r in (known, loose, tight):
+        r.state, r.first_token_time = RequestState.ROTARY, 7.0
+        r.last_token_time, r.output_token_ids = 7.0, [1] * 10
+    assert deadline(loose, 0.02, lengths) == pytest.approx(8.0 + 10 * 0.08 - 0.1)
+    assert deadline(loose, 0.02) == deadline(known, 0.02, lengths)
+    lvf = make_policy("lvf", VLTParams())
+    lvf.gap_s, lvf.lengths = 0.02, lengths
+    assert vlt(loose, 10.0, VLTParams(), 0.02, None, lengths) > 0.0 > vlt(known, 10.0, VLTParams(), 0.02)
+    # Not late, but by what it counts on it can wait no longer: it triggers no rotation.
+    assert not lvf.is_late(loose, 10.0) and lvf.slack_s(loose, 10.0) is None
+    assert lvf.slack_s(loose, 8.6) == pytest.approx(0.1)
+    assert not lvf.is_late(tight, 10.2) and lvf.is_late(tight, 10.4)
+    assert lvf.slack_s(tight, 10.4) is None
+    # The admission order agrees: the loose one is on time and lags, the tight one late.
+    assert lvf.merge_key(loose, 10.2)[0] == 0.0 and lvf.merge_key(loose, 10.2)[1] < 0.0
+    assert lvf.merge_key(tight, 10.4)[0] == 1.0
+
+
+def test_lvf_learns_output_lengths_from_finished_requests() -> None:
+    """LVF keeps the output lengths of requests that finished (not aborted ones), and takes
+    a new sorted snapshot for its deadlines only together with a re-filing of its queues:
+    after LENGTHS_STEP finishes, observe_iteration says the order keys changed."""
+    from scheduler_svc.policy.vlt import OutputLengths
+    from scheduler_svc.request import FinishReason
+
+    lvf = make_policy("lvf", VLTParams())
+    assert isinstance(lvf, LVFPolicy)
+    assert lvf.observe_iteration(0.05)  # the first batch time
+    step = lvf.LENGTHS_STEP
+    for i in range(step):
+        r = req(f"f{i}", 0.0)
+        r.output_token_ids = [1] * (step - i)
+        r.finish_reason = FinishReason.STOP if i else FinishReason.ABORT
+        lvf.observe_finish(r)
+    assert not lvf.observe_iteration(0.05) and lvf.lengths == ()  # one was an abort
+    r.finish_reason = FinishReason.LENGTH
+    lvf.observe_finish(r)
+    assert lvf.observe_iteration(0.05)
+    assert lvf.lengths == tuple(sorted([*range(1, step), 1]))
+    window = OutputLengths(window=3)
+    for n in (5, 1, 9, 4):
+        window.observe(n)
+    assert window.view() == (1, 4, 9) and window.added == 4  # the oldest (5) left
 
 
 def test_a_new_request_is_late_once_its_first_token_would_miss_its_ttft() -> None:
@@ -442,9 +522,10 @@ def test_lvf_merge_key_is_the_vlt_definitions(params: VLTParams) -> None:
     from scheduler_svc.policy.vlt import lag_anchor
 
     def definition(r: Request, now: float) -> tuple[float, ...]:
-        if is_late(r, now, lvf.gap_s):
-            return (1.0, lag_anchor(r, params, lvf.gap_s), r.arrival_time)
-        return (0.0, -vlt(r, now, params, lvf.gap_s, lvf.lag_unit_s), r.arrival_time)
+        gap, lengths = lvf.gap_s, lvf.lengths
+        if is_late(r, now, gap):
+            return (1.0, lag_anchor(r, params, gap, lengths), r.arrival_time)
+        return (0.0, -vlt(r, now, params, gap, lvf.lag_unit_s, lengths), r.arrival_time)
 
     rng = random.Random(3)
     lvf = make_policy("lvf", params)
@@ -452,6 +533,7 @@ def test_lvf_merge_key_is_the_vlt_definitions(params: VLTParams) -> None:
     for i in range(2000):
         # No batch seen yet, then gaps from a fifth of the SLO to over it.
         lvf.gap_s = None if i < 500 else rng.choice([0.01, 0.04, 0.09, 0.6])
+        lvf.lengths = rng.choice(LENGTHS_SEEN)
         lvf.set_lag_unit(rng.choice([None, 20.0, 7.0]))
         now = rng.uniform(0.0, 100.0)
         slo = SLO(rng.choice([1.0, 5.0, 20.0]), rng.choice([0.05, 0.1, 0.5]))
@@ -459,7 +541,8 @@ def test_lvf_merge_key_is_the_vlt_definitions(params: VLTParams) -> None:
         started = rng.random() < 0.6
         r = req(f"k{i}", rng.uniform(0.0, now), state, slo=slo,
                 last_token=rng.uniform(0.0, now) if started else None,
-                run_start=rng.uniform(0.0, now) if state is RequestState.RUNNING else None)
+                run_start=rng.uniform(0.0, now) if state is RequestState.RUNNING else None,
+                max_tokens=rng.choice([100, 8000]), eos=rng.random() < 0.5)
         if started:
             r.output_token_ids = [1] * rng.randint(1, 300)
             r.num_placeholders = rng.randint(0, 1)
@@ -482,6 +565,7 @@ def test_lvf_running_order_is_the_vlt_definitions(params: VLTParams) -> None:
     for trial in range(300):
         gap = None if trial < 60 else rng.choice([0.01, 0.04, 0.09, 0.6])
         lvf.gap_s = plain.gap_s = gap
+        lvf.lengths = plain.lengths = lengths = rng.choice(LENGTHS_SEEN)
         unit = rng.choice([None, 20.0])
         lvf.set_lag_unit(unit)
         plain.set_lag_unit(unit)
@@ -498,6 +582,8 @@ def test_lvf_running_order_is_the_vlt_definitions(params: VLTParams) -> None:
                 r.output_token_ids = [1] * rng.randint(1, 300)
                 r.num_placeholders = rng.randint(0, 1)
                 r.sampling = SamplingParams(max_tokens=rng.choice([50, 400, 4000]))
+                if rng.random() < 0.5:  # its length not known: it may end by EOS
+                    r.eos_token_ids, r.length_known = (2,), False
             if rng.random() < 0.1:  # vlt()'s branch for a request with no token, not running
                 r.state = RequestState.WAITING
             running.append(r)
@@ -505,7 +591,8 @@ def test_lvf_running_order_is_the_vlt_definitions(params: VLTParams) -> None:
         assert order == sorted(running, key=lambda r: lvf.running_merge_key(r, now))
         at, ranked = lvf._ranked
         assert at == now
-        assert all(ranked[r.request_id] == vlt(r, now, params, gap, unit) for r in running)
+        assert all(ranked[r.request_id] == vlt(r, now, params, gap, unit, lengths)
+                   for r in running)
         candidates = [req(f"c{trial}-{j}", round(rng.uniform(0.0, now), 1)) for j in range(3)]
         for when in (now, now + 0.5):  # at another time the ranking does not count
             for v in running:

@@ -157,6 +157,11 @@ class Policy(ABC):
         `req.state_since` (a policy that weighs rotations by the stays keeps them)."""
         return None
 
+    def observe_finish(self, req: Request) -> None:
+        """`req` finished (its `finish_reason` set): a policy that counts on the output
+        lengths of finished requests keeps them."""
+        return None
+
     def candidate_runs(self, runs: list[list[Entry]], now: float) -> list[list[Entry]]:
         """The queues' sorted runs, split where the merge key's order needs it (each
         returned run must be sorted by `merge_key` at `now`)."""

@@ -43,15 +43,17 @@ from collections.abc import Iterable
 from scheduler_svc.policy.base import OrderKey, Policy, RotationLimits, Unservable
 from scheduler_svc.policy.vlt import (
     FIRST_TOKEN_BATCHES,
+    OutputLengths,
     VLTParams,
     catch_up_limit,
     deadline,
     is_late,
     lag_anchor,
+    tokens_left,
     vlt,
 )
 from scheduler_svc.queue import Entry
-from scheduler_svc.request import SLO, Request, RequestState
+from scheduler_svc.request import SLO, FinishReason, Request, RequestState
 
 
 class LVFPolicy(Policy):
@@ -66,6 +68,9 @@ class LVFPolicy(Policy):
     static_running_order = False
     lazy_rotation = True  # rotate only where waiting for finishing requests would not do
     GAP_STEP = 0.1  # the deadlines' time between tokens follows its mean in 10 % steps
+    # The deadlines' snapshot of finished requests' output lengths (vlt.tokens_left) is
+    # renewed once an eighth of the lengths kept are new, and at least this many.
+    LENGTHS_STEP = 16
 
     def __init__(self, params: VLTParams, limits: RotationLimits) -> None:
         self.params = params
@@ -87,6 +92,12 @@ class LVFPolicy(Policy):
         # How long a parked request stays parked before it comes back, per SLO class
         # (S_B, S_F): a moving mean over its resumes, for limits.park_cover.
         self._park_s: dict[tuple[float, float], float] = {}
+        # Finished requests' output lengths, for the deadlines of requests whose length
+        # is not known (vlt.tokens_left), and the sorted snapshot the deadlines use: a new
+        # one with each re-filing of the queues, as for gap_s.
+        self.output_lengths = OutputLengths()
+        self.lengths: tuple[int, ...] = ()
+        self._lengths_at = 0
 
     def set_lag_unit(self, unit_s: float | None) -> None:
         if unit_s != self.lag_unit_s:
@@ -98,12 +109,22 @@ class LVFPolicy(Policy):
         m = self._gap_mean
         self._gap_mean = m = seconds if m is None else 0.9 * m + 0.1 * seconds
         g = self.gap_s
-        if g is not None and abs(m - g) <= self.GAP_STEP * g:
+        step = g is None or abs(m - g) > self.GAP_STEP * g
+        out = self.output_lengths
+        new = out.added - self._lengths_at
+        if not step and new < max(self.LENGTHS_STEP, len(self.lengths) // 8):
             return False
-        self.gap_s = m
+        if step:
+            self.gap_s = m
+        if new:
+            self.lengths, self._lengths_at = out.view(), out.added
         self._asked = (None, 0.0, None)
         self._ranked = (0.0, {})
         return True
+
+    def observe_finish(self, req: Request) -> None:
+        if req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self.output_lengths.observe(len(req.output_token_ids))
 
     def observe_park(self, req: Request, now: float) -> None:
         d, key = now - req.state_since, (req.slo.ttft_s, req.slo.tbt_s)
@@ -118,7 +139,13 @@ class LVFPolicy(Policy):
         return is_late(req, now, self.gap_s)
 
     def slack_s(self, candidate: Request, now: float) -> float | None:
-        slack = deadline(candidate, self.gap_s) - now
+        # By what it counts on (vlt.tokens_left). A request of unknown length may have
+        # used up the catch-up it counts on and not be late (its max_tokens might still
+        # bring it back): it then triggers no rotation, nor do those after it
+        # (Scheduler._rotation_needed), and takes free seats first. Measured (docs/sim/issue18/README.md, 2026-12-05): counting it as
+        # on time with no slack left doubled LVF's rotations on gh200-96gb at 17 req/s
+        # (6,961 against 3,220) and cost 10 points of TPOT.
+        slack = deadline(candidate, self.gap_s, self.lengths) - now
         return slack if slack >= 0.0 else None
 
     def prompt_batches_s(self, candidate: Request, chunk_tokens: int) -> float:
@@ -134,9 +161,10 @@ class LVFPolicy(Policy):
         # Highest VLT first = earliest anchor first within a group; ties to the earlier arrival.
         if req.first_token_time is None:
             return ("ttft", req.slo.ttft_s), (req.arrival_time,)
-        # Its lag is scaled by S_B: one group per (S_F, S_B), not per S_F alone.
-        return ("tbt", req.slo.tbt_s, req.slo.ttft_s), (
-            lag_anchor(req, self.params, self.gap_s), req.arrival_time)
+        # Its lag is scaled by S_B: one group per (S_F, S_B), not per S_F alone; and one
+        # for those of unknown length, whose late ones are not a prefix (candidate_runs).
+        return ("tbt", req.slo.tbt_s, req.slo.ttft_s, req.length_known), (
+            lag_anchor(req, self.params, self.gap_s, self.lengths), req.arrival_time)
 
     def merge_key(self, req: Request, now: float) -> tuple[float, ...]:
         # is_late, lag_anchor and vlt of a candidate in one pass, the same arithmetic in
@@ -160,18 +188,24 @@ class LVFPolicy(Policy):
             return (0.0, -v, arrival)
         k = len(req.output_token_ids) + req.num_placeholders  # vlt.tokens_out
         tbt, gap = slo.tbt_s, self.gap_s
-        dl = first + k * tbt  # vlt.deadline
+        dl = late_at = first + k * tbt  # vlt.deadline, for its order and for is_late
         if gap is not None:
             extra = catch_up_limit(req.sampling.max_tokens - k, tbt, gap)
             if extra > 0.0:
-                dl = dl + extra
+                late_at = dl + extra
+            if req.length_known:
+                dl = late_at
+            else:  # its order counts on fewer tokens (vlt.tokens_left)
+                extra = catch_up_limit(tokens_left(req, k, self.lengths), tbt, gap)
+                if extra > 0.0:
+                    dl = dl + extra
         anchor = dl - p.beta_f * k * tbt
         cap = p.max_stall
         if cap is not None:  # vlt.stall_anchor: only a request not running
             last = req.last_token_time
             if last is not None and req.state is not RequestState.RUNNING:
                 anchor = min(anchor, last + cap * slo.ttft_s)
-        if now > dl:  # late
+        if now > late_at:
             return (1.0, anchor, req.arrival_time)
         lag = (now - anchor) / slo.ttft_s
         v = p.alpha * lag if lag >= 0.0 else lag / p.alpha
@@ -181,8 +215,8 @@ class LVFPolicy(Policy):
 
     def candidate_runs(self, runs: list[list[Entry]], now: float) -> list[list[Entry]]:
         # Each group is sorted by lag anchor; its late requests become a run of their own.
-        # Where the anchor is the deadline (new requests; started ones with beta_f = 0 and
-        # no stall bound) the late ones are a prefix, else any of the run.
+        # Where the anchor is the deadline (new requests; started ones with beta_f = 0, no
+        # stall bound and a known length) the late ones are a prefix, else any of the run.
         out = []
         late_now = self.is_late
         p = self.params
@@ -190,7 +224,8 @@ class LVFPolicy(Policy):
         for run in runs:
             if not run:
                 continue
-            if run[0][2].first_token_time is None or deadline_anchors:
+            head = run[0][2]
+            if head.first_token_time is None or (deadline_anchors and head.length_known):
                 cut = bisect.bisect_left(run, True, key=lambda e: not late_now(e[2], now))
                 late, on_time = run[:cut], (run[cut:] if cut else run)
             else:
@@ -206,7 +241,8 @@ class LVFPolicy(Policy):
         return 0, ()  # no static order (static_running_order): sorted each iteration
 
     def running_merge_key(self, req: Request, now: float) -> tuple[float, ...]:
-        return (-vlt(req, now, self.params, self.gap_s, self.lag_unit_s), req.arrival_time)
+        return (-vlt(req, now, self.params, self.gap_s, self.lag_unit_s, self.lengths),
+                req.arrival_time)
 
     def running_order(self, running: list[Request], now: float) -> list[Request]:
         # sorted(running, key=running_merge_key), each VLT computed once with vlt()'s
@@ -214,7 +250,7 @@ class LVFPolicy(Policy):
         # through deadline, due_time and tokens_out were most of the decision's cost), and
         # kept for may_preempt, whose victims are these requests at this same `now`.
         # tests/test_policy.py checks both against the definitions.
-        p, gap, unit = self.params, self.gap_s, self.lag_unit_s
+        p, gap, unit, lengths = self.params, self.gap_s, self.lag_unit_s, self.lengths
         alpha, beta_f, beta_b, cap = p.alpha, p.beta_f, p.beta_b, p.max_stall
         running_state = RequestState.RUNNING  # (an Enum member lookup is slow: a local)
         vlts: dict[str, float] = {}
@@ -228,7 +264,9 @@ class LVFPolicy(Policy):
                 if gap is not None:
                     win = tbt - gap
                     if win > 0.0:
-                        extra = (r.sampling.max_tokens - k) * win - tbt
+                        left = (r.sampling.max_tokens - k if r.length_known
+                                else tokens_left(r, k, lengths))
+                        extra = left * win - tbt
                         if win < gap:  # only the exchange rate's share counts
                             extra = extra * win / gap
                         if extra > 0.0:
@@ -305,8 +343,9 @@ class LVFPolicy(Policy):
         asked, at, bar = self._asked
         if asked is not candidate or at != now:
             # A late request is served from free capacity only: it preempts nobody.
+            lengths = self.lengths
             bar = (None if is_late(candidate, now, self.gap_s)
-                   else vlt(candidate, now, self.params, self.gap_s, self.lag_unit_s)
+                   else vlt(candidate, now, self.params, self.gap_s, self.lag_unit_s, lengths)
                    - self.limits.vlt_margin)
             self._asked = (candidate, now, bar)
         if bar is None:
@@ -314,7 +353,7 @@ class LVFPolicy(Policy):
         at, ranked = self._ranked
         v = ranked.get(victim.request_id) if at == now else None
         if v is None:
-            v = vlt(victim, now, self.params, self.gap_s, self.lag_unit_s)
+            v = vlt(victim, now, self.params, self.gap_s, self.lag_unit_s, self.lengths)
         if not (v < 0.0 and v < bar):
             return False
         cover = self.limits.park_cover
@@ -322,4 +361,4 @@ class LVFPolicy(Policy):
             return True
         # A started victim must have the slack to sit out a typical stay parked (module doc).
         park = self.park_s(victim.slo)
-        return park is None or deadline(victim, self.gap_s) - now >= cover * park
+        return park is None or deadline(victim, self.gap_s, self.lengths) - now >= cover * park

@@ -14,7 +14,9 @@ and its TPOT (its mean gap, the per-request TBT that vLLM's goodput counts) stil
 With k tokens out, its (k+1)-th is due at `first_token + k·S_F` (its pace); a request that
 ran with iterations shorter than S_F has banked the difference. Served from then on at the
 measured time between tokens τ, it also wins back S_F − τ per remaining token, so D is
-its due time plus that (`catch_up_limit`; max_tokens bounds the remaining tokens), or
+its due time plus that (`catch_up_limit`, within the tokens it counts on, `tokens_left`:
+max_tokens where nothing else can end it; else, for its order, what nine in ten finished
+requests longer than it went on to produce, and for whether it is late, max_tokens), or
 a share of it where τ > S_F/2 (catching up then costs more seat time than it wins). A
 request past D is late (`is_late`): it can no longer make its TPOT. Where iterations are
 much shorter than S_F (the CPU stack: 20 ms against 300) D lies seconds past the due
@@ -64,7 +66,10 @@ then rotates someone else out (docs/sim/issue18/README.md).
 
 from __future__ import annotations
 
+import bisect
 import math
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from scheduler_svc.request import Request, RequestState
@@ -98,6 +103,69 @@ def tokens_out(req: Request) -> int:
 FIRST_TOKEN_BATCHES = 2  # a new request's first token: the batch in flight, then its own
 
 
+class OutputLengths:
+    """The output lengths of the last `window` finished requests, for what a request whose
+    length is not known may count on (`tokens_left`). `view()` is a sorted snapshot: the
+    policy takes a new one only when it re-files its queues, so that the deadlines a lazy
+    order was sorted by stay put in between."""
+
+    def __init__(self, window: int = 1024) -> None:
+        if window < 1:
+            raise ValueError(f"window must be positive, got {window}")
+        self._window = window
+        self._fifo: deque[int] = deque()
+        self._sorted: list[int] = []
+        self.added = 0  # lengths observed so far
+
+    def observe(self, n: int) -> None:
+        bisect.insort(self._sorted, n)
+        self._fifo.append(n)
+        if len(self._fifo) > self._window:
+            old = self._fifo.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        self.added += 1
+
+    def view(self) -> tuple[int, ...]:
+        return tuple(self._sorted)
+
+
+# Where a request's output length is not known, the share of finished requests longer than
+# it that went on to produce fewer tokens than it counts on (tokens_left): it counts on
+# their 10th percentile.
+COUNT_ON_QUANTILE = 0.1
+
+
+def tokens_left(req: Request, k: int, lengths: Sequence[int] | None = None) -> int:
+    """The output tokens a started request with `k` out counts on still producing.
+
+    Known length (`Request.length_known`, a benchmark's ignore_eos requests), or `lengths`
+    None: max_tokens - k. Else max_tokens only bounds it (an OpenAI request without
+    max_tokens is bounded by the whole context), and it counts on what nine in ten of the
+    finished requests longer than k went on to produce after their k-th token (`lengths`:
+    the finished requests' output lengths, sorted; COUNT_ON_QUANTILE), at most
+    max_tokens - k; nothing when none was longer.
+
+    The order (its slack, `vlt`) counts on that; whether it is late (`is_late`) counts on
+    max_tokens: a request is parked only against a catch-up it will most likely have the
+    tokens for, and given up on only when not even its bound would bring it back. Measured
+    with the requests' lengths unknown to the scheduler (docs/sim/issue18/README.md,
+    2026-12-05): counting on max_tokens - k for both, LVF parked requests for catch-ups they
+    never had the tokens for (the CPU stack's twin, 40 seeds at 1.5x and 2x saturation:
+    TPOT 76.6 and 58.2 %, the real-stack claim on 6 and 5 seeds; gh200-96gb at 17 and 20
+    req/s: TPOT 67.2 and 52.2 %, goodput 7.27 and 5.73 req/s); counting on the median for
+    both, it gave up on requests that would have made it (96gb: 61.9 and 36.9 %, 6.58 and
+    3.81). This split: the twin's claim on 32 and 40 seeds (34 and 40 with the lengths
+    known), 96gb 90.9 / 92.3 % TPOT at 7.73 and 7.25 req/s."""
+    left = req.sampling.max_tokens - k
+    if lengths is None or req.length_known:
+        return left
+    i = bisect.bisect_right(lengths, k)
+    longer = len(lengths) - i
+    if longer <= 0:
+        return 0
+    return min(left, lengths[i + int(COUNT_ON_QUANTILE * (longer - 1))] - k)
+
+
 def due_time(req: Request) -> float:
     """When a started request's next token is due to keep its mean gap within S_F; for a
     request with no token yet, its TTFT deadline."""
@@ -107,7 +175,8 @@ def due_time(req: Request) -> float:
     return first + tokens_out(req) * req.slo.tbt_s
 
 
-def deadline(req: Request, gap_s: float | None = None) -> float:
+def deadline(req: Request, gap_s: float | None = None,
+             lengths: Sequence[int] | None = None) -> float:
     """The latest time the request may be served from (admitted, or resumed) and still meet
     the SLO it waits on, when served at `gap_s` per token (None: unknown, taken as 0).
 
@@ -119,22 +188,23 @@ def deadline(req: Request, gap_s: float | None = None) -> float:
     against 5 s): TTFT 17.7 %, goodput 6.56 req/s; less one batch, 23.2 % and 8.86; less
     two, 66.4 % and 22.18 (TPOT 69.9 → 61.5 %). A started request: its due time,
     pushed back by the lag it can still win back within its remaining tokens
-    (`catch_up_limit`, which already counts the batch its next token takes)."""
+    (`catch_up_limit`, which already counts the batch its next token takes), within the
+    tokens it counts on (`tokens_left`; `lengths` as there: None, its bound)."""
     due = due_time(req)
     if gap_s is None:
         return due
     if req.first_token_time is None:
         return due - FIRST_TOKEN_BATCHES * gap_s
     k, tbt = tokens_out(req), req.slo.tbt_s
-    extra = catch_up_limit(req.sampling.max_tokens - k, tbt, gap_s)
+    extra = catch_up_limit(tokens_left(req, k, lengths), tbt, gap_s)
     return due + extra if extra > 0.0 else due
 
 
 def is_late(req: Request, now: float, gap_s: float | None = None) -> bool:
     """Has the request already missed the SLO it is waiting on: its TTFT (no token yet),
-    or its TPOT (a started request behind its pace that cannot catch up, module doc)?
-    `gap_s`: the time between tokens it would get when served (None: unknown, so a
-    request behind its pace counts as late)."""
+    or its TPOT (a started request behind its pace that cannot catch up even if it runs
+    to its max_tokens, module doc)? `gap_s`: the time between tokens it would get when
+    served (None: unknown, so a request behind its pace counts as late)."""
     return now > deadline(req, gap_s)
 
 
@@ -161,10 +231,10 @@ def catch_up_limit(remaining: int, tbt_s: float, gap_s: float) -> float:
 
 
 def vlt(req: Request, now: float, p: VLTParams, gap_s: float | None = None,
-        unit_s: float | None = None) -> float:
-    """The request's Virtual Lag Time at `now`, using the request's own SLOs; `gap_s` as
-    for `deadline`. Lags count in units of `unit_s` seconds (None: the request's own
-    TTFT SLO; module doc)."""
+        unit_s: float | None = None, lengths: Sequence[int] | None = None) -> float:
+    """The request's Virtual Lag Time at `now`, using the request's own SLOs; `gap_s` and
+    `lengths` as for `deadline`. Lags count in units of `unit_s` seconds (None: the
+    request's own TTFT SLO; module doc)."""
     slo = req.slo
     first = req.first_token_time
     if first is None:
@@ -175,17 +245,18 @@ def vlt(req: Request, now: float, p: VLTParams, gap_s: float | None = None,
         v = (now - req.arrival_time) / slo.ttft_s - (1.0 - p.beta_b)
     else:
         # Started, running or not: lag against its deadline (module doc).
-        lag = (now - lag_anchor(req, p, gap_s)) / slo.ttft_s
+        lag = (now - lag_anchor(req, p, gap_s, lengths)) / slo.ttft_s
         v = p.alpha * lag if lag >= 0.0 else lag / p.alpha
     return v if unit_s is None else v * (slo.ttft_s / unit_s)
 
 
-def lag_anchor(req: Request, p: VLTParams, gap_s: float | None = None) -> float:
+def lag_anchor(req: Request, p: VLTParams, gap_s: float | None = None,
+               lengths: Sequence[int] | None = None) -> float:
     """When a request starts to lag (VLT 0); its VLT grows linearly from there."""
     first = req.first_token_time
     if first is None:
         return req.arrival_time + (1.0 - p.beta_b) * req.slo.ttft_s
-    anchor = deadline(req, gap_s) - p.beta_f * tokens_out(req) * req.slo.tbt_s
+    anchor = deadline(req, gap_s, lengths) - p.beta_f * tokens_out(req) * req.slo.tbt_s
     return min(anchor, stall_anchor(req, p))
 
 
