@@ -343,9 +343,9 @@ class LVFPolicy(Policy):
         asked, at, bar = self._asked
         if asked is not candidate or at != now:
             # A late request is served from free capacity only: it preempts nobody.
-            lengths = self.lengths
             bar = (None if is_late(candidate, now, self.gap_s)
-                   else vlt(candidate, now, self.params, self.gap_s, self.lag_unit_s, lengths)
+                   else vlt(candidate, now, self.params, self.gap_s, self.lag_unit_s,
+                            self.lengths)
                    - self.limits.vlt_margin)
             self._asked = (candidate, now, bar)
         if bar is None:

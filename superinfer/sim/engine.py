@@ -368,18 +368,17 @@ class Simulator:
                 olen = max(1, min(tr.output_len, max_len - plen))
                 clipped += plen != tr.prompt_len or olen != tr.output_len
                 own = slo if tr.slo is None else SLO(tr.slo.ttft_s, tr.slo.tbt_s)
-                if cfg.lengths == "known":
-                    req = Request(
-                        f"r{tr.index}", [0] * plen,
-                        SamplingParams(max_tokens=olen, temperature=0.0, ignore_eos=True),
-                        arrival_time=tr.arrival_s, slo=own,
-                    )
-                else:  # bounded by the context; its EOS comes at the trace's length
-                    req = Request(
-                        f"r{tr.index}", [0] * plen,
-                        SamplingParams(max_tokens=max_len - plen, temperature=0.0),
-                        arrival_time=tr.arrival_s, slo=own, eos_token_ids=(EOS_TOKEN,),
-                    )
+                # Known: ignore_eos, max_tokens = its length. Unknown: bounded by the
+                # context, its EOS comes at the trace's length.
+                known = cfg.lengths == "known"
+                req = Request(
+                    f"r{tr.index}", [0] * plen,
+                    SamplingParams(max_tokens=olen if known else max_len - plen,
+                                   temperature=0.0, ignore_eos=known),
+                    arrival_time=tr.arrival_s, slo=own,
+                    eos_token_ids=() if known else (EOS_TOKEN,),
+                )
+                if not known:
                     worker.ends[req.request_id] = olen
                 if tr.slo is not None:
                     classes[req.request_id] = tr.slo.name
