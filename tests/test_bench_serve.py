@@ -115,6 +115,24 @@ def test_short_sweep_completes_and_agrees_with_server_metrics(stack: Stack, tmp_
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_requests_of_unknown_length_are_ended_by_the_model(stack: Stack, tmp_path: Path) -> None:
+    # --max-tokens 16 --no-ignore-eos: every request asks for at most 16 tokens, not its
+    # trace length (at most 4 here), and the model's EOS or the cap ends it.
+    before = _counts(stack.metrics())
+    rc, data = _bench(stack, tmp_path / "out.json", "--num-prompts", "6", "--max-prompt-len",
+                      "24", "--max-output-len", "4", "--no-ignore-eos", "--max-tokens", "16")
+    delta = _delta(before, _counts(stack.metrics()))
+    assert rc == 0 and data is not None
+    assert data["config"]["max_tokens"] == 16 and data["config"]["ignore_eos"] is False
+    (r,) = data["results"]
+    assert (r["completed"], r["failed"]) == (6, 0)
+    for d in r["per_request"]:
+        assert d["trace_output_len"] <= 4 and 1 <= d["output_tokens"] <= 16
+        assert d["finish_reason"] == ("length" if d["output_tokens"] == 16 else "stop")
+    assert max(d["output_tokens"] for d in r["per_request"]) > 4  # the trace's length was not sent
+    assert delta["finished"] == 6 and delta["generation_tokens"] == r["output_tokens"]
+
+
 def test_baseline_mode_runs_both_servers_at_each_concurrency(
         stack: Stack, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # The stack is also the "other" OpenAI server here: the mode's plumbing, not a speed.
@@ -248,6 +266,7 @@ def test_unreachable_url_is_one_clear_line_from_the_cli() -> None:
     (["--duration", "10"], "--duration needs a finite --rps"),
     (["--max-concurrency", "0"], "--max-concurrency must be at least 1"),
     (["--rps", "2", "--max-prompt-len", "2"], "min_len <= max_prompt_len"),
+    (["--max-tokens", "256"], "needs --no-ignore-eos"),
 ])
 def test_bad_options_fail_before_contacting_a_server(args: list[str], message: str,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
@@ -280,6 +299,18 @@ def test_conversation_turns_and_bodies() -> None:
     # The earlier prompt and its reply, as generated, are a prefix of the next prompt.
     assert comp(4, outcomes)["prompt"] == "q1 a1\n\nq4"
     assert comp(1, outcomes)["prompt"] == "q1"
+
+
+def test_max_tokens_is_the_trace_length_a_cap_or_absent() -> None:
+    from superinfer.bench.serve.prompts import BodyOptions, request_body
+    from superinfer.workload import TraceRequest
+
+    req = TraceRequest(0, 0.0, 4, 7)
+    assert request_body(req, "q", BodyOptions("completions", "m"))["max_tokens"] == 7
+    capped = request_body(req, "q", BodyOptions("chat", "m", ignore_eos=False, max_tokens=256))
+    assert capped["max_tokens"] == 256 and "ignore_eos" not in capped
+    bare = request_body(req, "q", BodyOptions("chat", "m", ignore_eos=False, max_tokens=None))
+    assert "max_tokens" not in bare and "ignore_eos" not in bare
 
 
 def test_the_reader_keeps_the_reply_and_cached_tokens() -> None:

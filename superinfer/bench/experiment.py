@@ -83,6 +83,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--serve-args", default="",
                    help="more flags for `superinfer serve`, e.g. '--min-residency 8'")
+    p.add_argument("--bench-args", default="",
+                   help="more flags for every `superinfer bench serve` pass, e.g. "
+                        "'--endpoint chat --no-ignore-eos --max-tokens 256' (requests whose "
+                        "length the server does not know; the model's EOS ends them)")
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=POLICY [FLAGS]",
                    help="one more pass per rate, labelled LABEL: POLICY with FLAGS added to "
                         "`serve`'s, e.g. 'lvf-pf=lvf --parked-first' (repeatable); with "
@@ -372,6 +376,7 @@ def _run(args: argparse.Namespace) -> int:
                 "--max-output-len", str(args.max_output_len),
                 "--length-scale", str(args.length_scale),
                 "--ttft-slo", str(args.ttft_slo), "--tbt-slo", str(args.tbt_slo), "--no-progress",
+                *shlex.split(args.bench_args),
             ]
             serve = [sys.executable, "-m", "superinfer.cli", "bench", "serve",
                      "--base-url", stack.base_url, "--label", policy, *workload]

@@ -15,6 +15,7 @@ from typing import Any
 from common.errors import SuperInferError
 from superinfer.argtypes import positive, rate, rates
 from superinfer.bench.serve.prompts import (
+    TRACE_LENGTH,
     BodyOptions,
     Conversations,
     TextTokenizer,
@@ -91,6 +92,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--temperature", type=float, default=0.0)
     w.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="ask for exactly the trace's output length (default on)")
+    w.add_argument("--max-tokens", type=_max_tokens, default=TRACE_LENGTH, metavar="N|none",
+                   help="each request's max_tokens: 'trace' (default: the trace's output "
+                        "length), a number N (the same cap for all, as a client with a "
+                        "generous bound sends) or 'none' (no max_tokens: the server's bound, "
+                        "the model's context). Other than 'trace' it needs --no-ignore-eos: "
+                        "the model's EOS then ends each request, and the trace's output "
+                        "lengths are not used")
     w.add_argument("--system-prompt-len", type=int, default=0, metavar="TOKENS",
                    help="a system prompt of about this many tokens shared by every request")
     w.add_argument("--multi-turn", type=int, default=1, metavar="TURNS",
@@ -182,8 +190,20 @@ def _spec(args: argparse.Namespace, rps: float) -> WorkloadSpec:
     )
 
 
+def _max_tokens(text: str) -> int | str | None:
+    if text in (TRACE_LENGTH, "none"):
+        return None if text == "none" else text
+    n = int(text)  # argparse turns the ValueError into a usage error
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, 'trace' or 'none', got {n}")
+    return n
+
+
 def _check(args: argparse.Namespace) -> None:
     """Problems that need no server, reported before contacting one."""
+    if args.max_tokens != TRACE_LENGTH and args.ignore_eos:
+        raise BenchError("--max-tokens other than 'trace' needs --no-ignore-eos: with "
+                         "ignore_eos every request would run to that cap")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise BenchError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
     if not 0 <= args.temperature <= 100:
@@ -250,7 +270,7 @@ def _run(args: argparse.Namespace) -> int:
     send_slo = not args.no_send_slo
     opts = BodyOptions(args.endpoint, model, args.temperature, args.ignore_eos,
                        args.ttft_slo if send_slo else None, args.tbt_slo if send_slo else None,
-                       system_prompt(args.system_prompt_len, args.seed, tok))
+                       system_prompt(args.system_prompt_len, args.seed, tok), args.max_tokens)
     rows: list[dict[str, Any]] = []
     traces = {}
     for rps in args.sweep_rps or [args.rps]:
@@ -284,6 +304,7 @@ def _run(args: argparse.Namespace) -> int:
         "max_prompt_len": args.max_prompt_len, "max_output_len": args.max_output_len,
         "length_scale": args.length_scale, "max_concurrency": args.max_concurrency,
         "temperature": args.temperature, "ignore_eos": args.ignore_eos,
+        "max_tokens": args.max_tokens,
         "system_prompt_len": args.system_prompt_len, "multi_turn": args.multi_turn,
         "think_time_s": args.think_time,
         "ttft_slo_s": args.ttft_slo, "tbt_slo_s": args.tbt_slo, "slo_sent": send_slo,

@@ -85,6 +85,9 @@ def prompt_text(req: TraceRequest, seed: int, tok: TextTokenizer | None) -> str:
     return fit_prompt(req.prompt, req.prompt_len, tok)
 
 
+TRACE_LENGTH = "trace"  # BodyOptions.max_tokens: ask for the trace's output length
+
+
 @dataclass(slots=True, frozen=True)
 class BodyOptions:
     endpoint: str  # "completions" or "chat"
@@ -94,6 +97,11 @@ class BodyOptions:
     ttft_slo_s: float | None = None  # sent in the `slo` extra when set
     tbt_slo_s: float | None = None
     system: str = ""  # a system prompt shared by every request ("" = none)
+    # What each request asks for as max_tokens: TRACE_LENGTH, the trace's output length
+    # (with ignore_eos, exactly that many tokens); a number, the same cap for every request
+    # (a client's generous bound; the model's EOS ends it); None, no max_tokens at all (the
+    # server's bound: the model's context).
+    max_tokens: int | str | None = TRACE_LENGTH
 
 
 @dataclass(slots=True, frozen=True)
@@ -134,15 +142,18 @@ class Conversations:
 
 def request_body(req: TraceRequest, text: str, opt: BodyOptions,
                  history: Sequence[Turn] = ()) -> dict[str, Any]:
-    """An OpenAI streaming request asking for exactly the trace's output length; with
-    `history`, its prompt is the conversation so far and then `text`."""
+    """An OpenAI streaming request asking for the trace's output length (or what
+    `opt.max_tokens` says); with `history`, its prompt is the conversation so far and then
+    `text`."""
     body: dict[str, Any] = {
         "model": opt.model,
-        "max_tokens": req.output_len,
         "temperature": opt.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    cap = req.output_len if opt.max_tokens == TRACE_LENGTH else opt.max_tokens
+    if cap is not None:
+        body["max_tokens"] = cap
     if opt.endpoint == "chat":
         messages = [{"role": "system", "content": opt.system}] if opt.system else []
         for turn in history:
