@@ -22,6 +22,7 @@ import operator
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 from common.contracts import (
     PLACEHOLDER,
@@ -122,6 +123,18 @@ class RequestEvent:
     logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for
     # Echo: logprobs of the prompt tokens after those already published, in order.
     prompt_logprobs: list[TokenLogprob] | None = None
+
+
+class Rotation(NamedTuple):
+    """What Scheduler._rotation_needed found: whether to rotate this iteration, the
+    candidates in the order to try them, the parked ones that go first (admission holds
+    blocks for them), and the slack under which a parked candidate may preempt (None: as
+    the policy's may_preempt says)."""
+
+    needed: bool
+    queue: Iterable[Request]
+    hold: frozenset[str]
+    parked_within_s: float | None
 
 
 @dataclass(slots=True)
@@ -453,7 +466,7 @@ class Scheduler:
     LAZY_MIN_FINISHES = 16
 
     def _rotation_needed(self, queue: Iterator[Request], now: float, chunk_tokens: int = 0
-                         ) -> tuple[bool, Iterable[Request], frozenset[str]]:
+                         ) -> Rotation:
         """Would an on-time candidate miss its deadline waiting for the seats that running
         requests free by finishing? The k-th candidate in the policy's order gets one of
         those in about k / rate seconds; where every candidate's slack (policy.slack_s)
@@ -499,7 +512,16 @@ class Scheduler:
         of their 10 s left while parked ones waited, 97 % of its per-gap misses' time
         parked). Returns the answer, the queue (the candidates looked at put back, those
         parked ones first) and the ids of the parked ones that went first: admission holds the
-        blocks for them rather than seat a new request past them."""
+        blocks for them rather than seat a new request past them.
+
+        Where too few requests finish to wait for (LAZY_MIN_FINISHES), every candidate may
+        rotate, except that a parked one, as above, does not trigger rotation: it preempts
+        only once its slack is under `lazy_margin` of its TTFT SLO (`parked_within_s`), and
+        until then comes back into free blocks. Measured on the real stack with long chat
+        replies (docs/sim/issue18/real_stack/unknown_1205: 100 requests at 0.855 req/s,
+        ~7 finishes per 10 s SLO): 203 of LVF's 315 rotations were a parked request taking
+        the seat of a running one with more slack, which a rotation later took back, one
+        missed gap each; waiting-first rotated 106 times and beat LVF's per-gap TBT."""
         seen: list[Request] = []
         needed = False
         rotary = RequestState.ROTARY
@@ -520,8 +542,10 @@ class Scheduler:
             if rate is None:
                 rate = self.turnover.rate(now, q.slo.ttft_s)
                 if rate * q.slo.ttft_s < self.LAZY_MIN_FINISHES:
-                    needed = True  # too few seats free on their own to wait for
-                    break
+                    # Too few seats free on their own to wait for: rotate for every
+                    # candidate, a parked one only near its deadline (docstring).
+                    return Rotation(True, itertools.chain(seen, queue), frozenset(),
+                                    margin * q.slo.ttft_s)
             k += 1
             # A parked candidate takes a seat before those behind it, but its own slack
             # triggers no rotation (the docstring's last paragraph).
@@ -540,11 +564,11 @@ class Scheduler:
             if k >= self.LAZY_SCAN:
                 break
         if needed or not parked or spare < 1.0:
-            return needed, itertools.chain(seen, queue), frozenset()
+            return Rotation(needed, itertools.chain(seen, queue), frozenset(), None)
         first = parked if spare >= len(parked) else parked[:int(spare)]
         ahead = frozenset(q.request_id for q in first)
         rest = [q for q in seen if q.request_id not in ahead]
-        return needed, itertools.chain(first, rest, queue), ahead
+        return Rotation(needed, itertools.chain(first, rest, queue), ahead, None)
 
     def _admit(self, order: list[Request], plan: _Plan, fcfs_mode: bool) -> None:
         """Bring waiting and rotary requests in, most deserving first (LVF steps 2–3)."""
@@ -559,8 +583,10 @@ class Scheduler:
             queue = _merge(runs, policy.merge_key, plan.now)
         rotate = not fcfs_mode
         hold: frozenset[str] = frozenset()  # parked ones that go first (_rotation_needed)
+        parked_within: float | None = None  # a parked one preempts only under this slack
         if rotate and limits.lazy_rotation and policy.lazy_rotation:
-            rotate, queue, hold = self._rotation_needed(iter(queue), plan.now, plan.budget)
+            rotate, queue, hold, parked_within = self._rotation_needed(
+                iter(queue), plan.now, plan.budget)
         # Preemption victims, lowest first: past their minimum residency (FCFS-like
         # iterations, and lazy ones that need no rotation, preempt nobody for a candidate).
         it, residency, running = self.iteration, limits.min_residency, RequestState.RUNNING
@@ -606,10 +632,13 @@ class Scheduler:
             # A request larger than B_xfer may still move alone, or it would starve.
             if cap is not None and plan.xfer_used and plan.xfer_used + cost > cap:
                 break
-            if free_only:  # nobody may be preempted any more: only free blocks serve
-                if need_seat:
+            if free_only or (rotary and parked_within is not None
+                             and not self._parked_must_preempt(q, plan.now, parked_within)):
+                # Nobody may be preempted (any more, or for this parked candidate yet):
+                # only free blocks serve.
+                if need_seat and free_only:
                     break
-                if need > self._room(swaps_in, plan.reserve):
+                if need_seat or need > self._room(swaps_in, plan.reserve):
                     continue
                 chosen: list[Request] | None = []
             elif fcfs_mode:
@@ -683,6 +712,13 @@ class Scheduler:
         st.prefix_cache_host_hits += hit.host_hits * bs
         if req.num_cached_tokens is None:  # the prompt's first admission: what usage reports
             req.num_cached_tokens = hit.num_blocks * bs
+
+    def _parked_must_preempt(self, q: Request, now: float, within_s: float) -> bool:
+        """May parked `q` preempt where seats are not waited for (_rotation_needed)? Only
+        with less slack than `within_s`, or none it counts on (slack_s None: late, which
+        preempts nobody anyway, or past the catch-up it counts on but not late)."""
+        slack = self.policy.slack_s(q, now)
+        return slack is None or slack < within_s
 
     def _may_preempt_for(self, q: Request, victims: list[Request], plan: _Plan) -> bool:
         """May the first eligible victim be preempted for `q`? When not, no later victim

@@ -232,6 +232,37 @@ def test_lvf_rotates_only_when_finishing_requests_would_not_seat_a_candidate_in_
             break
 
 
+def test_where_too_few_finish_a_parked_request_preempts_only_near_its_deadline() -> None:
+    """Two seats, three decodes, no request finishing (LVF rotates without waiting for
+    seats): the third takes a seat at once, and the request it parked comes back only
+    once its slack is under lazy_margin (0.25) of its 5 s TTFT SLO. Before, it took back
+    the seat of the running request with more slack, which then took it back in turn: on
+    the real stack two thirds of LVF's rotations (docs/sim/issue18/real_stack/
+    unknown_1205)."""
+    clock = [0.0]
+    sched = Scheduler(SchedulerConfig(num_device_blocks=128, num_host_blocks=256, block_size=4,
+                                      max_num_seqs=2, pipelined=False),
+                      make_policy("lvf", VLTParams(), RotationLimits()), clock=lambda: clock[0])
+    for i, rid in enumerate(("r1", "r2", "r3")):
+        sched.add_request(Request(rid, [1, 2, 3], SamplingParams(max_tokens=1000, ignore_eos=True),
+                                  arrival_time=0.01 * i, slo=SLO(5.0, 1.0)))
+        _step(sched, clock)
+    for _ in range(150):  # 1.5 s
+        _step(sched, clock)
+    assert sched.stats.rotations == 1
+    (parked,) = [r for r in sched.requests.values() if r.state is RequestState.ROTARY]
+    running = [r for r in sched.requests.values() if r.state is RequestState.RUNNING]
+    slack = sched.policy.slack_s(parked, clock[0])
+    assert slack is not None and all(sched.policy.slack_s(r, clock[0]) > slack + 1.0
+                                     for r in running)
+    clock[0] += slack - 1.3  # still over 1.25 s: it waits
+    _step(sched, clock)
+    assert parked.state is RequestState.ROTARY and sched.stats.rotations == 1
+    clock[0] += 0.2  # 1.1 s left: it takes the seat of the one with the most slack
+    _step(sched, clock)
+    assert parked.state is RequestState.RUNNING and sched.stats.rotations == 2
+
+
 def test_a_parked_request_near_its_deadline_does_not_make_lvf_rotate() -> None:
     """Seats full, 4 finishes a second. A new request with 4.5 s of its 5 s TTFT SLO left
     heads LVF's order; second comes a request that must not wait past 0.3 s: new, LVF
@@ -307,7 +338,7 @@ def test_parked_requests_go_ahead_of_new_ones_that_can_spare_the_seats(
     parked.output_token_ids.extend([7] * 10)
     parked.set_state(RequestState.ROTARY, 9.5)
     assert sched.policy.slack_s(head, now) == pytest.approx(head_slack)
-    needed, queue, hold = sched._rotation_needed(iter([head, parked]), now)
+    needed, queue, hold, _ = sched._rotation_needed(iter([head, parked]), now)
     assert not needed
     order = [q.request_id for q in queue]
     assert order[0] == first and sorted(order) == ["head", "parked"]
@@ -354,13 +385,17 @@ def test_a_new_request_is_not_seated_past_a_parked_one_that_goes_first(
 
 def test_preemptions_are_counted_by_what_they_were_for() -> None:
     """Eight device blocks, two decodes: LVF parks b so that a can grow (a growth
-    preemption). With no minimum residency b, now lagging more than a, comes back at once
-    by taking a's place: a preemption to seat a parked request, one started request traded
-    for another (the simulator prints the split; measured at gh200 defaults, 20 req/s: 1,215
-    of LVF's 2,214 rotations, where waiting-first rotated 977 times, all for new ones)."""
+    preemption). With no minimum residency and no request finishing, b, lagging more than
+    a, comes back once its slack is under lazy_margin of its TTFT SLO by taking a's place:
+    a preemption to seat a parked request, one started request traded for another (the
+    simulator prints the split; measured at gh200 defaults, 20 req/s: 1,215 of LVF's 2,214
+    rotations, where waiting-first rotated 977 times, all for new ones)."""
     sched, clock = _two_decodes_until_b_parks(RotationLimits(min_residency=0))
     st = sched.stats
     assert (st.preemptions, st.growth_preemptions, st.parked_preemptions) == (1, 1, 0)
+    slack = sched.policy.slack_s(sched.requests["b"], clock[0])
+    assert slack is not None and slack > 0.25 * 5.0
+    clock[0] += slack - 1.0
     for _ in range(10):
         _step(sched, clock)
         if sched.requests["b"].state is RequestState.RUNNING:
