@@ -184,6 +184,11 @@ def test_fidelity_refuses_what_it_cannot_compare(tmp_path: Path,
     bad.write_text(json.dumps({"config": {"dataset": "sharegpt"}, "results": [{}]}))
     assert sim_main(["sim", "fidelity", "--experiment", str(bad)]) == 2
     assert "config lacks" in capsys.readouterr().err
+    eos = json.loads(TRIAL.read_text())
+    eos["config"]["bench_args"] = "--no-ignore-eos --max-tokens 512"
+    bad.write_text(json.dumps(eos))
+    assert sim_main(["sim", "fidelity", "--experiment", str(bad)]) == 2
+    assert "not comparable" in capsys.readouterr().err
 
 
 def test_cpu_cost_terms() -> None:

@@ -85,6 +85,13 @@ def load_experiment(path: str | Path) -> dict[str, Any]:
     missing = [k for k in need if k not in data["config"]]
     if missing:
         raise FidelityError(f"{p}: config lacks {', '.join(missing)}")
+    if data["config"].get("bench_args"):
+        # e.g. --no-ignore-eos --max-tokens 512: the model's EOS set the output lengths.
+        raise FidelityError(
+            f"{p}: its passes sent requests with --bench-args "
+            f"{data['config']['bench_args']!r}; the simulator replays bench serve's default "
+            "requests (the trace's output lengths, ignore_eos, completions), so the two are "
+            "not comparable")
     return data
 
 
