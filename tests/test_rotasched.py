@@ -263,6 +263,50 @@ def test_where_too_few_finish_a_parked_request_preempts_only_near_its_deadline()
     assert parked.state is RequestState.RUNNING and sched.stats.rotations == 2
 
 
+@pytest.mark.parametrize("finished_per_s, resumes", [(2.5, False), (7.0, True), (1.0, True)])
+def test_a_parked_request_not_yet_due_comes_back_only_where_the_running_can_grow(
+        finished_per_s: float, resumes: bool) -> None:
+    """Two seats, four requests of 72-token prompts, 16 blocks of 16 tokens, 10 ms
+    batches, a 2 s TTFT SLO and fewer than 16 finishes in it (LVF rotates without waiting
+    for seats). A seat frees while the requests parked have seconds of slack and one fits
+    the free blocks. The running pair then grows by 1/(rate · 10 ms · 16) blocks each
+    until the next finish: at ~2.5 finishes a second more than the free blocks, and they
+    stay parked (one preempts once its slack is under lazy_margin); at ~7 a second one
+    comes back. Before, one came back at once, and on the real stack the running
+    requests' growth then parked one of them: LVF's growth preemptions were 1-2x
+    waiting-first's (docs/sim/issue18/README.md). Under 4 finishes in the SLO (~1 a
+    second: a run's first seconds) the rate is not trusted, and it comes back as before."""
+    clock = [0.0]
+    sched = Scheduler(SchedulerConfig(num_device_blocks=16, num_host_blocks=256,
+                                      block_size=16, max_num_seqs=2, pipelined=False),
+                      make_policy("lvf", VLTParams(), RotationLimits()), clock=lambda: clock[0])
+    for i, rid in enumerate(("r1", "r2", "r3", "r4")):
+        sched.add_request(Request(rid, [1] * 72, SamplingParams(max_tokens=1000,
+                                                                ignore_eos=True),
+                                  arrival_time=0.01 * i, slo=SLO(2.0, 1.0)))
+        _step(sched, clock)
+    for _ in range(10):
+        _step(sched, clock)
+    parked = [r for r in sched.requests.values() if r.state is RequestState.ROTARY]
+    running = [r for r in sched.requests.values() if r.state is RequestState.RUNNING]
+    assert len(parked) == 2 and len(running) == 2
+    rotations = sched.stats.rotations
+    clock[0] += 5.0
+    for i in range(round(2 * finished_per_s)):  # finishes over the last 2 s
+        sched.turnover.record(clock[0] - 2.0 + (i + 1) / finished_per_s)
+    assert sched.abort(running[0].request_id)
+    assert not sched.everything_fits()
+    for r in parked:
+        slack = sched.policy.slack_s(r, clock[0])
+        assert slack is not None and slack > 0.5  # not yet due (lazy_margin of 2 s)
+    assert min(sched.bm.blocks_for(r.num_tokens) for r in parked) + 1 \
+        <= sched.bm.num_free_for_compute
+    _step(sched, clock)
+    back = [r for r in parked if r.state is RequestState.RUNNING]
+    assert len(back) == resumes
+    assert sched.stats.rotations == rotations and sched.stats.growth_preemptions == 0
+
+
 def test_a_parked_request_near_its_deadline_does_not_make_lvf_rotate() -> None:
     """Seats full, 4 finishes a second. A new request with 4.5 s of its 5 s TTFT SLO left
     heads LVF's order; second comes a request that must not wait past 0.3 s: new, LVF
@@ -338,7 +382,7 @@ def test_parked_requests_go_ahead_of_new_ones_that_can_spare_the_seats(
     parked.output_token_ids.extend([7] * 10)
     parked.set_state(RequestState.ROTARY, 9.5)
     assert sched.policy.slack_s(head, now) == pytest.approx(head_slack)
-    needed, queue, hold, _ = sched._rotation_needed(iter([head, parked]), now)
+    needed, queue, hold, *_ = sched._rotation_needed(iter([head, parked]), now)
     assert not needed
     order = [q.request_id for q in queue]
     assert order[0] == first and sorted(order) == ["head", "parked"]

@@ -101,6 +101,9 @@ class Policy(ABC):
     # The unit, in seconds, of the lags a VLT counts where live requests carry different
     # SLOs (the scheduler sets it: set_lag_unit); None: each request's own TTFT SLO.
     lag_unit_s: float | None = None
+    # The time between tokens a request gets when served, where the policy follows it
+    # from the executed batches (LVF: observe_iteration); None: not followed.
+    gap_s: float | None = None
     # Whether `running_key` orders the running requests at every moment. False: their
     # order changes with time however they are grouped, and the scheduler sorts them by
     # `running_merge_key` each iteration (a batch's seats, not the backlog).
