@@ -537,9 +537,9 @@ class Scheduler:
         each (the same passes: 78-168 growth preemptions against waiting-first's 55-79).
         With it (real_stack/headroom_1205, seed 11, 1.5x and 2x): 21 and 21 growth
         preemptions against 82 and 22 without and waiting-first's 64 and 65; per-gap TBT
-        99.70 / 99.65 % against 99.36 / 99.68 and waiting-first's 99.50 / 99.49; seed 12:
-        50 and 51 against waiting-first's 98 and 79, per-gap TBT 99.64 / 99.61 against
-        99.45 / 99.49, the best goodput at both rates. Under
+        99.70 / 99.65 % against 99.36 / 99.68 and waiting-first's 99.50 / 99.49; seeds 12
+        and 13: 38-54 against waiting-first's 79-117, per-gap TBT 99.54-99.64 against
+        99.32-99.49, the best goodput in all four passes. Under
         GROWTH_MIN_FINISHES in the SLO the rate is not trusted, and no room is kept."""
         seen: list[Request] = []
         needed = False
