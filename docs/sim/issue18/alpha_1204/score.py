@@ -18,11 +18,10 @@ sys.path.insert(0, str(ISSUE18))
 import must_show  # noqa: E402
 
 
-def score(run_dir: Path) -> dict:
-    fails: list[str] = []
-    goodput = stored = 0.0
-    cells = 0
-    for name in must_show.RUNS + must_show.MIXED:
+def lvf_cells(run_dir: Path, names: tuple[str, ...]):
+    """(name, LVF's row of run_dir, the stored rows of that cell with that LVF row in
+    place of the stored one, the stored LVF row) for every LVF row of run_dir/<name>.json."""
+    for name in names:
         path = run_dir / f"{name}.json"
         if not path.exists():
             continue
@@ -33,23 +32,32 @@ def score(run_dir: Path) -> dict:
             if r["policy"] != "lvf":
                 continue  # a stored run's baselines
             rows = dict(base[r["rps"]])
-            stored += rows["lvf"]["goodput_rps"]
+            stored = rows["lvf"]
             rows["lvf"] = r
-            goodput += r["goodput_rps"]
-            cells += 1
-            if name in must_show.MIXED:
-                c = must_show.check_mixed(rows)
-                bad = [k for k, ok in zip(("ttft", "tbt", "tpot"), c["interactive_ok"]) if not ok]
-                bad += [] if c["batch_ok"] else ["batch"]
-                got = c["interactive"]["lvf"]
-            else:
-                c = must_show.check(rows)
-                bad = [k[:-3] for k in ("ttft_ok", "tbt_ok", "tpot_ok") if not c[k]]
-                bad += [f"dominated by {b}" for b in c["dominated_by"]]
-                got = c["lvf"]
-            if bad:
-                fails.append(f"{name} @ {r['rps']:g}: {', '.join(bad)} "
-                             f"(LVF {' / '.join(f'{x:.1f}' for x in got)})")
+            yield name, r, rows, stored
+
+
+def score(run_dir: Path) -> dict:
+    fails: list[str] = []
+    goodput = stored = 0.0
+    cells = 0
+    for name, r, rows, kept in lvf_cells(run_dir, must_show.RUNS + must_show.MIXED):
+        stored += kept["goodput_rps"]
+        goodput += r["goodput_rps"]
+        cells += 1
+        if name in must_show.MIXED:
+            c = must_show.check_mixed(rows)
+            bad = [k for k, ok in zip(("ttft", "tbt", "tpot"), c["interactive_ok"]) if not ok]
+            bad += [] if c["batch_ok"] else ["batch"]
+            got = c["interactive"]["lvf"]
+        else:
+            c = must_show.check(rows)
+            bad = [k[:-3] for k in ("ttft_ok", "tbt_ok", "tpot_ok") if not c[k]]
+            bad += [f"dominated by {b}" for b in c["dominated_by"]]
+            got = c["lvf"]
+        if bad:
+            fails.append(f"{name} @ {r['rps']:g}: {', '.join(bad)} "
+                         f"(LVF {' / '.join(f'{x:.1f}' for x in got)})")
     return {"dir": str(run_dir), "cells": cells, "failing": fails,
             "goodput_sum": round(goodput, 2), "stored_default_goodput_sum": round(stored, 2)}
 

@@ -28,18 +28,9 @@ import score  # noqa: E402
 def cells(run_dir: Path) -> dict[str, dict]:
     """'name @ rps' -> LVF's row of that run, with the stored baselines' rows."""
     out = {}
-    for name in must_show.RUNS:  # the mixed cells are per class: score.py covers them
-        path = run_dir / f"{name}.json"
-        if not path.exists():
-            continue
-        base: dict[float, dict[str, dict]] = {}
-        for r in json.loads((ISSUE18 / f"{name}.json").read_text())["results"]:
-            base.setdefault(r["rps"], {})[r["policy"]] = r
-        for r in json.loads(path.read_text())["results"]:
-            if r["policy"] == "lvf":
-                rows = dict(base[r["rps"]])
-                rows["lvf"] = r
-                out[f"{name} @ {r['rps']:g}"] = must_show.check(rows)
+    # (the mixed cells are per class: score.py covers them)
+    for name, r, rows, _ in score.lvf_cells(run_dir, must_show.RUNS):
+        out[f"{name} @ {r['rps']:g}"] = must_show.check(rows)
     return out
 
 
