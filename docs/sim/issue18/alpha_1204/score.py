@@ -37,6 +37,12 @@ def lvf_cells(run_dir: Path, names: tuple[str, ...]):
             yield name, r, rows, stored
 
 
+def misses(c: dict) -> list[str]:
+    """The thresholds a must_show.check() result misses, and who dominates LVF."""
+    return ([k[:-3] for k in ("ttft_ok", "tbt_ok", "tpot_ok") if not c[k]]
+            + [f"dominated by {b}" for b in c["dominated_by"]])
+
+
 def score(run_dir: Path) -> dict:
     fails: list[str] = []
     goodput = stored = 0.0
@@ -52,8 +58,7 @@ def score(run_dir: Path) -> dict:
             got = c["interactive"]["lvf"]
         else:
             c = must_show.check(rows)
-            bad = [k[:-3] for k in ("ttft_ok", "tbt_ok", "tpot_ok") if not c[k]]
-            bad += [f"dominated by {b}" for b in c["dominated_by"]]
+            bad = misses(c)
             got = c["lvf"]
         if bad:
             fails.append(f"{name} @ {r['rps']:g}: {', '.join(bad)} "

@@ -61,8 +61,7 @@ def main(argv: list[str]) -> None:
             k = per[m].get(c)
             if k is None:
                 continue
-            bad = [x[:-3] for x in ("ttft_ok", "tbt_ok", "tpot_ok") if not k[x]]
-            bad += [f"dom. {b}" for b in k["dominated_by"]]
+            bad = score.misses(k)
             bad_any |= bool(bad)
             t = " / ".join(f"{x:.1f}" for x in k["lvf"])
             line.append(f"  m {m:g}: {t}, {k['goodput']['lvf']:.2f}"
