@@ -100,6 +100,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "a rate runs close in time to the others' on a machine whose load "
                         "drifts; writes <policy>@<rate>.json per pass (with --trace, the "
                         "last pass's trace per policy)")
+    p.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="run every (policy, rate) pass N times, in rounds (the policy order "
+                        "reversed every other round); the claims are checked on the mean of "
+                        "the N passes, and once per round (how many rounds each holds in). "
+                        "One pass's goodput moves with the machine's speed by more than the "
+                        "policies differ where all meet their SLOs; N passes show by how much")
     p.add_argument("--warmup", type=int, default=0, metavar="N",
                    help="requests each fresh stack serves (all at once, another seed) before "
                         "its pass is measured: a cold stack serves its first ~40 s slower")
@@ -311,9 +317,82 @@ def check_claims(rows: list[dict[str, Any]], variants: dict[str, dict[str, str]]
     }
 
 
+# The per-pass figures averaged over a (policy, rate)'s repeated passes.
+MEAN_KEYS = ["ttft_attainment", "tbt_attainment", "tpot_attainment", "p50_ttft_s", "p99_ttft_s",
+             "p50_tbt_s", "p99_tbt_s", "good_requests", "goodput_rps", "goodput_every_gap_rps",
+             "throughput_tok_s", "rotations", "requests", "completed", "failed"]
+
+
+def mean_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (policy, rate): each of MEAN_KEYS averaged over the passes that have
+    it (None where none has), `passes` counted, and goodput's lowest and highest pass."""
+    groups: dict[tuple[str, Any], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["policy"], r["rps"]), []).append(r)
+    out = []
+    for (policy, rps), group in groups.items():
+        row: dict[str, Any] = {"policy": policy, "rps": rps, "passes": len(group)}
+        for k in MEAN_KEYS:
+            values = [r[k] for r in group if r.get(k) is not None]
+            row[k] = sum(values) / len(values) if values else None
+        goodputs = [r["goodput_rps"] for r in group if r.get("goodput_rps") is not None]
+        row["goodput_rps_min"] = min(goodputs, default=None)
+        row["goodput_rps_max"] = max(goodputs, default=None)
+        out.append(row)
+    return out
+
+
+def claims_per_round(rows: list[dict[str, Any]], variants: dict[str, dict[str, str]],
+                     saturation: float | None) -> dict[str, Any]:
+    """`check_claims` on each round's passes alone, and per claim the rounds it held in."""
+    rounds = sorted({r.get("repeat", 1) for r in rows})
+    each = {k: check_claims([r for r in rows if r.get("repeat", 1) == k], variants, saturation)
+            for k in rounds}
+
+    def held(pick: Any) -> list[int] | None:  # None: checkable in no round
+        if all(pick(c).get("holds") is None for c in each.values()):
+            return None
+        return [k for k, c in each.items() if pick(c).get("holds")]
+
+    return {
+        "rounds": len(rounds),
+        "claim_held_in_rounds": held(lambda c: c["claim"]),
+        "claim_issue18_held_in_rounds": held(lambda c: c["claim_issue18"]),
+        "claim_issue18_variants_held_in_rounds": {
+            label: held(lambda c, label=label: c["claim_issue18_variants"][label])
+            for label in next(iter(each.values()))["claim_issue18_variants"]} if each else {},
+        "per_round": {str(k): c for k, c in each.items()},
+    }
+
+
 KEYS = ["policy", "rps", "requests", "completed", "failed", "ttft_attainment", "tbt_attainment",
         "tpot_attainment", "p50_ttft_s", "p99_ttft_s", "p50_tbt_s", "p99_tbt_s", "good_requests",
         "goodput_rps", "goodput_every_gap_rps", "throughput_tok_s", "rotations"]
+
+
+MEAN_TABLE = ["policy", "rps", "passes", "ttft_attainment", "tbt_attainment", "tpot_attainment",
+              "good_requests", "goodput_rps", "goodput_rps_min", "goodput_rps_max", "rotations"]
+
+
+def pass_order(policies: list[str], rates: list[str], interleave: bool,
+               repeats: int) -> list[tuple[str, str, int]]:
+    """(policy, rates, round) per pass. Interleaved: rates outside, policies inside, the
+    policy order reversed at every other rate and, from round to round, at every other
+    start, so that no policy always runs first or last after another's stack; else each
+    policy sweeps every rate in one pass, the order reversed every other round."""
+    out = []
+    for k in range(repeats):
+        if interleave:
+            out += [(p, r, k + 1) for i, r in enumerate(rates)
+                    for p in (policies if (i + k) % 2 == 0 else policies[::-1])]
+        else:
+            out += [(p, ",".join(rates), k + 1)
+                    for p in (policies if k % 2 == 0 else policies[::-1])]
+    return out
+
+
+def _rounds(held: list[int] | None) -> str:
+    return "not checkable" if held is None else f"{held} ({len(held)})"
 
 
 def _cell(v: Any) -> Any:
@@ -357,18 +436,18 @@ def _run(args: argparse.Namespace) -> int:
     policies += list(args.variants)
     rows: list[dict[str, Any]] = []
     t_start = time.monotonic()
-    if args.interleave:
-        passes = [(p, r) for i, r in enumerate(args.rates.split(","))
-                  for p in (policies if i % 2 == 0 else policies[::-1])]
-    else:
-        passes = [(p, args.rates) for p in policies]
-    for policy, rates in passes:
+    if args.repeats < 1:
+        print("superinfer bench experiment: error: --repeats must be >= 1", file=sys.stderr)
+        return 2
+    passes = pass_order(policies, args.rates.split(","), args.interleave, args.repeats)
+    for policy, rates, round_ in passes:
         run_dir = out / f".run-{policy}"
-        print(f"== {policy}: starting the stack" + (f" (rate {rates})" if args.interleave else ""),
-              flush=True)
+        print(f"== {policy}: starting the stack" + (f" (rate {rates})" if args.interleave else "")
+              + (f", round {round_} of {args.repeats}" if args.repeats > 1 else ""), flush=True)
         stack = Stack(policy, args, run_dir)
         try:
-            path = out / (f"{policy}@{rates}.json" if args.interleave else f"{policy}.json")
+            stem = f"{policy}@{rates}" if args.interleave else policy
+            path = out / (f"{stem}.r{round_}.json" if args.repeats > 1 else f"{stem}.json")
             workload = [
                 *(["--slo-classes", args.slo_classes] if args.slo_classes else []),
                 "--dataset", args.dataset,
@@ -401,21 +480,35 @@ def _run(args: argparse.Namespace) -> int:
             for r in json.loads(path.read_text())["results"]:
                 # What the machine was doing: the 1/5/15-min load average as the pass began.
                 rows.append({**r, "base_policy": base_policy(policy, vars(args)),
-                             "pass_started_utc": began, "load_average_at_pass": load})
+                             "pass_started_utc": began, "load_average_at_pass": load,
+                             **({"repeat": round_} if args.repeats > 1 else {})})
         finally:
             stack.stop()
     # Per policy by rate (an infinite rate, every request at t = 0, has rps None: last).
     rows.sort(key=lambda r: (policies.index(r["policy"]),
-                             math.inf if r["rps"] is None else r["rps"]))
+                             math.inf if r["rps"] is None else r["rps"], r.get("repeat", 1)))
     rated = [r for r in rows if r["rps"] is not None]  # the claims and the plot need rates
-    claims = check_claims(rated, args.variants, args.saturation)
+    means = mean_rows(rated) if args.repeats > 1 else rated
+    claims = check_claims(means, args.variants, args.saturation)
     verdict, pareto = claims["claim"], claims["claim_issue18"]
+    rounds = claims_per_round(rated, args.variants, args.saturation) if args.repeats > 1 else None
     summary = {"command": command, "config": vars(args), "machine": facts,
-               "wall_s": round(time.monotonic() - t_start, 1), "results": rows, **claims}
+               "wall_s": round(time.monotonic() - t_start, 1), "results": rows,
+               **({"means": means, "claims_per_round": rounds} if rounds else {}), **claims}
     (out / "results.json").write_text(json.dumps(summary, indent=1, default=str))
     (out / "command.txt").write_text(command + "\n")
-    text = table(KEYS, [[_cell(r.get(k)) for k in KEYS] for r in rows])
-    misses = [f"{r['policy']} @ {'inf' if r['rps'] is None else format(r['rps'], 'g')}: {line}"
+    keys = KEYS if args.repeats == 1 else ["repeat", *KEYS]
+    text = table(keys, [[_cell(r.get(k)) for k in keys] for r in rows])
+    mean_text = table(MEAN_TABLE, [[_cell(r.get(k)) for k in MEAN_TABLE] for r in means]
+                      ) if rounds else ""
+    held = [] if rounds is None else [
+        f"Rounds the claims held in, of {rounds['rounds']}: issue #7 "
+        f"{_rounds(rounds['claim_held_in_rounds'])}, issue #18 "
+        f"{_rounds(rounds['claim_issue18_held_in_rounds'])}"
+        + "".join(f", {label} in lvf's place {_rounds(ks)}" for label, ks in
+                  rounds["claim_issue18_variants_held_in_rounds"].items())]
+    misses = [f"{r['policy']} @ {'inf' if r['rps'] is None else format(r['rps'], 'g')}"
+              + (f" round {r['repeat']}" if "repeat" in r else "") + f": {line}"
               for r in rows for line in format_misses(r)]
     md = [f"# Experiment: rotation policies on the real stack ({facts['date_utc']} UTC)", "",
           f"`{command}`", "",
@@ -423,7 +516,11 @@ def _run(args: argparse.Namespace) -> int:
           f"torch {facts['torch']}. Load average at start: {facts['load_average_at_start']}.",
           f"SLOs: TTFT {args.ttft_slo} s, TBT {args.tbt_slo} s. Device pool "
           f"{args.device_blocks} blocks x 16 tokens, host pool {args.host_blocks} blocks.", "",
-          "```", text, "```", "", f"Claim check (issue #7): `{json.dumps(verdict)}`", "",
+          "```", text, "```", "",
+          *([f"Mean over the {args.repeats} passes of each (policy, rate); the claims below "
+             "are checked on these:", "", "```", mean_text, "```", "", *held, ""] if rounds
+            else []),
+          f"Claim check (issue #7): `{json.dumps(verdict)}`", "",
           f"Claim check (issue #18): `{json.dumps(pareto)}`", "",
           *(f"Claim check (issue #18), {label} in lvf's place: `{json.dumps(c)}`\n"
             for label, c in claims["claim_issue18_variants"].items()),
@@ -432,10 +529,14 @@ def _run(args: argparse.Namespace) -> int:
     (out / "table.md").write_text("\n".join(md))
     from superinfer.sim.plots import rate_plot as plot
 
-    plot(rated, str(out / "attainment.png"),
+    plot(means, str(out / "attainment.png"),
          f"real stack, bundled model, {args.device_blocks}-block device pool; SLOs "
          f"TTFT {args.ttft_slo} s / TBT {args.tbt_slo} s")
     print(text)
+    if rounds:
+        print(f"mean over the {args.repeats} passes of each (policy, rate):")
+        print(mean_text)
+        print("\n".join(held))
     print("\n".join(misses))
     print(f"claim (issue #7): {json.dumps(verdict)}")
     print(f"claim (issue #18): {json.dumps(pareto)}")
