@@ -26,6 +26,9 @@ KV_DTYPE_NAMES = ("auto", "float32", "bfloat16")  # auto: float32 with float32 w
 # at 1 it moved TTFT into TPOT (simulator: as many must-show cells failed, a different
 # set; real stack: better in two 2x pairs, worse in one; docs/sim/issue18/README.md).
 PARK_COVER: float | None = None
+# LVF's --growth-room (RotationLimits.growth_room; Scheduler._rotation_needed says why a
+# half: the whole growth to the next finish left blocks idle and lengthened LVF's tail).
+GROWTH_ROOM = 0.5
 
 
 def optional_float(text: str) -> float | None:
@@ -79,6 +82,9 @@ class EngineConfig:
     # LVF rotates a started request out for a candidate only where its slack covers this
     # many times the mean time parked requests have stayed parked (None: off).
     park_cover: float | None = PARK_COVER
+    # ... and a parked request coming back early into free blocks leaves this share of
+    # what the running ones grow by until the next finish (RotationLimits.growth_room).
+    growth_room: float = GROWTH_ROOM
     eager_budget_blocks: int = 32
     # Automatic prefix caching (vLLM's flag): requests share the KV of full blocks whose
     # tokens (and all before them) match; freed ones stay cached on the device and, through
@@ -117,6 +123,8 @@ class EngineConfig:
             raise ValueError(f"--alpha must be positive, got {self.alpha}")
         if self.park_cover is not None and not self.park_cover > 0:
             raise ValueError(f"--park-cover must be positive ('none': off), got {self.park_cover}")
+        if not self.growth_room >= 0.0:
+            raise ValueError(f"--growth-room must be >= 0, got {self.growth_room}")
         for flag, v in (("--beta-b", self.beta_b), ("--beta-f", self.beta_f)):
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"{flag} must be in [0, 1], got {v}")
@@ -219,6 +227,10 @@ class EngineConfig:
                        help="LVF: rotate a started request out only where its slack covers "
                             "this many times the mean time parked requests have stayed "
                             "parked ('none': off)")
+        s.add_argument("--growth-room", type=float, default=GROWTH_ROOM,
+                       help="LVF: a parked request coming back early into free blocks "
+                            "leaves this share of what the running requests grow by until "
+                            "the next finish (0: none)")
         s.add_argument("--eager-budget-blocks", type=int, default=32)
         s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=True,

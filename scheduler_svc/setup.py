@@ -25,7 +25,7 @@ def rotation_limits(cfg: EngineConfig) -> RotationLimits:
     return RotationLimits(cfg.xfer_budget_blocks, cfg.min_residency, cfg.vlt_margin,
                           cfg.hold_vlt, cfg.iteration_budget, cfg.prefill_within,
                           cfg.lazy_rotation, cfg.lazy_margin, cfg.parked_first,
-                          cfg.park_cover)
+                          cfg.park_cover, cfg.growth_room)
 
 
 def default_slo(cfg: EngineConfig) -> SLO:

@@ -263,9 +263,10 @@ def test_where_too_few_finish_a_parked_request_preempts_only_near_its_deadline()
     assert parked.state is RequestState.RUNNING and sched.stats.rotations == 2
 
 
-@pytest.mark.parametrize("finished_per_s, resumes", [(2.5, False), (7.0, True), (1.0, True)])
+@pytest.mark.parametrize("finished_per_s, room, resumes", [
+    (2.5, 1.0, False), (7.0, 1.0, True), (1.0, 1.0, True), (2.5, 0.5, True), (2.5, 0.0, True)])
 def test_a_parked_request_not_yet_due_comes_back_only_where_the_running_can_grow(
-        finished_per_s: float, resumes: bool) -> None:
+        finished_per_s: float, room: float, resumes: bool) -> None:
     """Two seats, four requests of 72-token prompts, 16 blocks of 16 tokens, 10 ms
     batches, a 2 s TTFT SLO and fewer than 16 finishes in it (LVF rotates without waiting
     for seats). A seat frees while the requests parked have seconds of slack and one fits
@@ -275,11 +276,14 @@ def test_a_parked_request_not_yet_due_comes_back_only_where_the_running_can_grow
     comes back. Before, one came back at once, and on the real stack the running
     requests' growth then parked one of them: LVF's growth preemptions were 1-2x
     waiting-first's (docs/sim/issue18/README.md). Under 4 finishes in the SLO (~1 a
-    second: a run's first seconds) the rate is not trusted, and it comes back as before."""
+    second: a run's first seconds) the rate is not trusted, and it comes back as before.
+    `growth_room` keeps that share of the growth: at a half, the room at ~2.5 finishes a
+    second fits beside it, and it comes back."""
     clock = [0.0]
     sched = Scheduler(SchedulerConfig(num_device_blocks=16, num_host_blocks=256,
                                       block_size=16, max_num_seqs=2, pipelined=False),
-                      make_policy("lvf", VLTParams(), RotationLimits()), clock=lambda: clock[0])
+                      make_policy("lvf", VLTParams(), RotationLimits(growth_room=room)),
+                      clock=lambda: clock[0])
     for i, rid in enumerate(("r1", "r2", "r3", "r4")):
         sched.add_request(Request(rid, [1] * 72, SamplingParams(max_tokens=1000,
                                                                 ignore_eos=True),

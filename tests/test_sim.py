@@ -227,8 +227,11 @@ VLLM_STYLE = "layout=layer-first:duplex=off:eager=0:pipeline=off"  # vLLM 0.6's 
 FIG17_RPS = 50
 # The cell was sized with α 0.3, LVF's default until 2026-12-04. With the default α 1 the
 # P99 direction holds at a smaller size (50 req/s: 25.0 -> 51.5 ms, DuplexKV 35.7) and the
-# TPOT one does not (61.8 -> 62.2 %, DuplexKV 67.1).
-FIG17 = "lvf:alpha=0.3"
+# TPOT one does not (61.8 -> 62.2 %, DuplexKV 67.1). It was also sized with the full room
+# for growth (room 1, the default until LVF's became a half, 2026-12-05): at a half the P99
+# direction is stronger (25.0 -> 244.9 ms, DuplexKV 19.6) and the TPOT one does not hold
+# (60.5 -> 62.2 %, DuplexKV 68.8).
+FIG17 = "lvf:alpha=0.3:room=1"
 
 
 def test_vllm_style_transfers_with_a_large_budget_cost_tail_tbt() -> None:
@@ -303,3 +306,17 @@ def test_lvf_keeps_tpot_when_clients_send_no_max_tokens() -> None:
     known, unknown = runs["known"], runs["unknown"]
     assert unknown.ttft_attainment >= 0.9 and unknown.tpot_attainment >= 0.9
     assert unknown.goodput_rps >= 0.9 * known.goodput_rps
+
+
+def test_a_client_max_tokens_bounds_requests_whose_length_is_unknown() -> None:
+    """With lengths unknown, `SimConfig.max_tokens` is the bound a client sends (`bench
+    serve --no-ignore-eos --max-tokens N`, as the real-stack chat passes run): a reply
+    the trace makes longer stops at it, a shorter one still ends by EOS at its length."""
+    hw, model = load_hardware("cpu-local"), load_model("smollm2-135m")
+    trace = [TraceRequest(0, 0.0, 40, 100), TraceRequest(1, 0.1, 40, 12)]
+    records = simulate(hw, model, PolicyVariant.parse("lvf"),
+                       SimConfig(device_blocks=64, host_blocks=256, lengths="unknown",
+                                 max_tokens=30), trace).records
+    assert sorted(len(r.token_times) for r in records) == [12, 30]
+    with pytest.raises(SimulationError, match="max_tokens"):
+        SimConfig(lengths="unknown", max_tokens=0)

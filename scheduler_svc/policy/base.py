@@ -64,6 +64,10 @@ class RotationLimits:
     # before coming back (LVF, `observe_park`): parked for that long, one with less would
     # miss its TPOT. None: off.
     park_cover: float | None = None
+    # Where seats are not waited for, a parked request coming back early into free blocks
+    # leaves this share of what the running requests grow by until the next finish
+    # (Scheduler._rotation_needed, which says why a half; 0: none, every free block serves).
+    growth_room: float = 0.5
 
     def __post_init__(self) -> None:
         if self.xfer_budget_blocks is not None and self.xfer_budget_blocks < 0:
@@ -80,6 +84,8 @@ class RotationLimits:
             raise ValueError(f"lazy_margin must be >= 0, got {self.lazy_margin}")
         if self.park_cover is not None and not self.park_cover > 0.0:
             raise ValueError(f"park_cover must be positive (None: off), got {self.park_cover}")
+        if not self.growth_room >= 0.0:
+            raise ValueError(f"growth_room must be >= 0, got {self.growth_room}")
 
 
 class Unservable(enum.Enum):

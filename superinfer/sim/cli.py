@@ -167,6 +167,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="LVF: rotate a started request out only where its slack covers this "
                         "many times the mean time parked requests have stayed parked "
                         "('none': off)")
+    s.add_argument("--growth-room", type=float, default=_D.growth_room,
+                   help="LVF: a parked request coming back early into free blocks leaves "
+                        "this share of what the running ones grow by until the next finish")
     s.add_argument("--iteration-cost", choices=["online", "model", "none"], default=_D.cost,
                    help="what the scheduler knows of batch times: a fit of the simulated "
                         "executor's times as the service does (online), the cost model "
@@ -221,6 +224,7 @@ def build_config(args: argparse.Namespace) -> SimConfig:
         lazy_margin=args.lazy_margin,
         parked_first=args.parked_first,
         park_cover=args.park_cover,
+        growth_room=args.growth_room,
         cost=args.iteration_cost,
         eager_budget_blocks=args.eager_budget_blocks,
         layout=args.layout,

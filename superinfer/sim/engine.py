@@ -85,6 +85,7 @@ class SimConfig:
     lazy_margin: float = _ENGINE.lazy_margin
     parked_first: bool = _ENGINE.parked_first
     park_cover: float | None = _ENGINE.park_cover
+    growth_room: float = _ENGINE.growth_room
     cost: str = "online"  # what the scheduler knows of iteration times: online, model, none
     eager_budget_blocks: int = AUTO  # 0: no eager copies
     layout: str = "block-first"
@@ -101,6 +102,9 @@ class SimConfig:
     # OpenAI client that sends no max_tokens: the bound is the context, and the request
     # ends by EOS at the trace's length).
     lengths: str = "known"
+    # With unknown lengths, the max_tokens each request sends (an OpenAI client's, e.g.
+    # `bench serve --no-ignore-eos --max-tokens 512`); None: bounded by the context alone.
+    max_tokens: int | None = None
 
     @classmethod
     def from_engine(cls, ec: EngineConfig, **overrides: Any) -> SimConfig:
@@ -125,6 +129,8 @@ class SimConfig:
             raise SimulationError(f"--eager-budget-blocks must be >= 0, got {self.eager_budget_blocks}")
         if self.lengths not in LENGTHS:
             raise SimulationError(f"--lengths must be one of {', '.join(LENGTHS)}, got {self.lengths!r}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise SimulationError(f"max_tokens must be positive (None: the context), got {self.max_tokens}")
         if self.cost not in ("online", "model", "none"):
             raise SimulationError(f"--iteration-cost must be online, model or none, got {self.cost!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -133,7 +139,8 @@ class SimConfig:
             VLTParams(self.alpha, self.beta_b, self.beta_f, self.max_stall)
             RotationLimits(None, self.min_residency, self.vlt_margin, self.hold_vlt,
                            self.iteration_budget, self.prefill_within, self.lazy_rotation,
-                           self.lazy_margin, self.parked_first, self.park_cover)
+                           self.lazy_margin, self.parked_first, self.park_cover,
+                           self.growth_room)
             SLO(self.ttft_slo, self.tbt_slo)
         except ValueError as e:
             raise SimulationError(str(e)) from None
@@ -165,6 +172,9 @@ _VARIANT_KEYS = {
     "parked_first": ("parked_first", "bool"),
     "park_cover": ("park_cover", "optional_float"),
     "cover": ("park_cover", "optional_float"),
+    "growth_room": ("growth_room", float),
+    "growth-room": ("growth_room", float),
+    "room": ("growth_room", float),
     "cost": ("cost", str),
     "eager": ("eager_budget_blocks", "budget"),
     "layout": ("layout", str),
@@ -322,7 +332,7 @@ class Simulator:
             VLTParams(c.alpha, c.beta_b, c.beta_f, c.max_stall),
             RotationLimits(self.xfer_budget, c.min_residency, c.vlt_margin, c.hold_vlt,
                            c.iteration_budget, c.prefill_within, c.lazy_rotation,
-                           c.lazy_margin, c.parked_first, c.park_cover),
+                           c.lazy_margin, c.parked_first, c.park_cover, c.growth_room),
         )
         cost: IterationCost | None = None
         if c.cost == "model":
@@ -371,9 +381,13 @@ class Simulator:
                 # Known: ignore_eos, max_tokens = its length. Unknown: bounded by the
                 # context, its EOS comes at the trace's length.
                 known = cfg.lengths == "known"
+                bound = max_len - plen  # unknown: the context, or the client's max_tokens
+                if not known and cfg.max_tokens is not None:
+                    bound = min(bound, cfg.max_tokens)
+                    olen = min(olen, bound)
                 req = Request(
                     f"r{tr.index}", [0] * plen,
-                    SamplingParams(max_tokens=olen if known else max_len - plen,
+                    SamplingParams(max_tokens=olen if known else bound,
                                    temperature=0.0, ignore_eos=known),
                     arrival_time=tr.arrival_s, slo=own,
                     eos_token_ids=() if known else (EOS_TOKEN,),
