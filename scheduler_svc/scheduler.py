@@ -532,8 +532,9 @@ class Scheduler:
         Coming back into free blocks before then, a parked request takes them only where
         they also hold what the running requests (it among them) grow by until the next
         finish frees blocks: `limits.growth_room` (a half) of 1/(rate · time between
-        tokens · block size) blocks each (`growth_blocks_per_seat`). Without it the running set grew into the blocks a
-        resume had just taken, and a growth preemption parked someone else, one missed gap
+        tokens · block size) blocks each (`growth_blocks_per_seat`). Without it the
+        running set grew into the blocks a resume had just taken, and a growth
+        preemption parked someone else, one missed gap
         each (the same passes: 78-168 growth preemptions against waiting-first's 55-79).
         With it (real_stack/headroom_1205, seed 11, 1.5x and 2x): 21 and 21 growth
         preemptions against 82 and 22 without and waiting-first's 64 and 65; per-gap TBT
