@@ -11,21 +11,18 @@ import time
 from collections.abc import Callable
 
 from common.config import EngineConfig
-from scheduler_svc.policy import Policy, RotationLimits, VLTParams, make_policy
+from scheduler_svc.policy import Policy, RotationLimits, VLTParams, make_policy, params_from
 from scheduler_svc.policy.iteration_cost import OnlineIterationCost
 from scheduler_svc.request import SLO
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 
 
 def vlt_params(cfg: EngineConfig) -> VLTParams:
-    return VLTParams(cfg.alpha, cfg.beta_b, cfg.beta_f, cfg.max_stall)
+    return params_from(VLTParams, cfg)
 
 
 def rotation_limits(cfg: EngineConfig) -> RotationLimits:
-    return RotationLimits(cfg.xfer_budget_blocks, cfg.min_residency, cfg.vlt_margin,
-                          cfg.hold_vlt, cfg.iteration_budget, cfg.prefill_within,
-                          cfg.lazy_rotation, cfg.lazy_margin, cfg.parked_first,
-                          cfg.park_cover, cfg.growth_room)
+    return params_from(RotationLimits, cfg)
 
 
 def default_slo(cfg: EngineConfig) -> SLO:

@@ -823,6 +823,33 @@ def test_rotation_limits_refuse_values_out_of_range_wherever_they_are_set() -> N
                    park_cover=0.5)  # the edges that are allowed
 
 
+def test_serve_and_the_simulator_build_the_same_policy_parameters_by_default() -> None:
+    """`superinfer serve` and `superinfer sim` give LVF the same VLT parameters and
+    rotation limits unless told otherwise (their defaults are written in each config):
+    the dataclasses' own defaults, but for the engine's residency and hold. A config that
+    lacks a parameter is an error, not a silent default."""
+    import dataclasses
+    import types
+
+    from common.config import EngineConfig
+    from scheduler_svc.policy import params_from
+    from scheduler_svc.setup import rotation_limits, vlt_params
+    from superinfer.sim.engine import SimConfig
+
+    engine, sim = EngineConfig(), SimConfig()
+    assert vlt_params(engine) == params_from(VLTParams, sim) == VLTParams()
+    served = rotation_limits(engine)
+    assert params_from(RotationLimits, sim, xfer_budget_blocks=served.xfer_budget_blocks) == served
+    assert served == RotationLimits(xfer_budget_blocks=served.xfer_budget_blocks,
+                                    min_residency=engine.min_residency, hold_vlt=engine.hold_vlt)
+    assert params_from(RotationLimits, engine, growth_room=0.25).growth_room == 0.25
+    lacking = types.SimpleNamespace(**{f.name: getattr(engine, f.name)
+                                       for f in dataclasses.fields(RotationLimits)})
+    del lacking.growth_room
+    with pytest.raises(TypeError, match="has no 'growth_room'"):
+        params_from(RotationLimits, lacking)
+
+
 def test_with_the_stall_bound_late_parked_requests_leave_their_run_from_any_place() -> None:
     """A rotary run is sorted by lag anchor. Without the bound that is the deadline, so the
     late requests are its prefix; with it a request with much slack but an old last token

@@ -2,11 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, TypeVar
+
 from common.config import POLICY_NAMES
 from scheduler_svc.policy.base import Policy, RotationLimits, Unservable
 from scheduler_svc.policy.baselines import FCFSPolicy, SwappedFirstPolicy, WaitingFirstPolicy
 from scheduler_svc.policy.lvf import LVFPolicy
 from scheduler_svc.policy.vlt import VLTParams, vlt
+
+_Params = TypeVar("_Params", VLTParams, RotationLimits)
+
+
+def params_from(cls: type[_Params], config: object, **overrides: Any) -> _Params:
+    """`cls` (VLTParams, RotationLimits) with every field taken from `config`'s attribute
+    of the same name (an engine or simulator config), `overrides` first. A field that
+    `config` lacks and `overrides` does not give is an error, so a new parameter cannot
+    silently keep its default in one config while another sets it."""
+    values = dict(overrides)
+    for f in dataclasses.fields(cls):
+        if f.name not in values:
+            if not hasattr(config, f.name):
+                raise TypeError(f"{type(config).__name__} has no {f.name!r} for {cls.__name__}")
+            values[f.name] = getattr(config, f.name)
+    return cls(**values)
 
 
 def make_policy(
@@ -36,5 +55,6 @@ __all__ = [
     "Unservable",
     "VLTParams",
     "make_policy",
+    "params_from",
     "vlt",
 ]

@@ -31,7 +31,7 @@ from common.config import EngineConfig, optional_float
 from common.contracts import ExecuteResult, ScheduledChunk, TransferPlan, TransferResult
 from common.errors import SuperInferError
 from scheduler_svc.engine_core import EngineCore
-from scheduler_svc.policy import POLICY_NAMES, RotationLimits, VLTParams, make_policy
+from scheduler_svc.policy import POLICY_NAMES, RotationLimits, VLTParams, make_policy, params_from
 from scheduler_svc.policy.iteration_cost import IterationCost, OnlineIterationCost
 from scheduler_svc.request import SLO, Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
@@ -136,11 +136,8 @@ class SimConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise SimulationError(f"max_model_len must be at least 2, got {self.max_model_len}")
         try:
-            VLTParams(self.alpha, self.beta_b, self.beta_f, self.max_stall)
-            RotationLimits(None, self.min_residency, self.vlt_margin, self.hold_vlt,
-                           self.iteration_budget, self.prefill_within, self.lazy_rotation,
-                           self.lazy_margin, self.parked_first, self.park_cover,
-                           self.growth_room)
+            params_from(VLTParams, self)
+            params_from(RotationLimits, self, xfer_budget_blocks=None)  # (AUTO: checked above)
             SLO(self.ttft_slo, self.tbt_slo)
         except ValueError as e:
             raise SimulationError(str(e)) from None
@@ -329,10 +326,8 @@ class Simulator:
         c = self.cfg
         policy = make_policy(
             self.policy_name,
-            VLTParams(c.alpha, c.beta_b, c.beta_f, c.max_stall),
-            RotationLimits(self.xfer_budget, c.min_residency, c.vlt_margin, c.hold_vlt,
-                           c.iteration_budget, c.prefill_within, c.lazy_rotation,
-                           c.lazy_margin, c.parked_first, c.park_cover, c.growth_room),
+            params_from(VLTParams, c),
+            params_from(RotationLimits, c, xfer_budget_blocks=self.xfer_budget),
         )
         cost: IterationCost | None = None
         if c.cost == "model":
