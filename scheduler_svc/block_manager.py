@@ -755,6 +755,12 @@ class BlockManager:
         (its copy then waits for the batch in flight: `TransferPlan.late_swap_in`)."""
         return self.device.num_free + self._num_held + self.dev_cache.num_parked
 
+    @property
+    def caches_device_blocks(self) -> bool:
+        """Does the device tier name blocks a swap-in may reuse (prefix caching)? Where it
+        does not, a rotary request's admission takes and copies in its whole table."""
+        return bool(self.dev_cache.hash_of)
+
     def _swap_in_reuse(self, req: Request) -> tuple[int, int]:
         """A rotary request's synced blocks the device tier still caches: (how many, how
         many of those a live request references)."""

@@ -635,6 +635,11 @@ class Scheduler:
         free_only = False
         fits_waiting: int | None = None  # while free_only: see _free_fits
         fits_rotary: int | None = None
+        # The tokens a parked candidate not yet due may need at most to fit the blocks it
+        # may take (_early_fits; None: not worked out since the last admission or
+        # preemption): tens of them per iteration are each too large for those blocks.
+        fits_early: int | None = None
+        tables = bm.tables
         for q in queue:
             if q.fork_of is not None:
                 continue  # one of n choices, waiting for its leader's prompt blocks
@@ -660,14 +665,27 @@ class Scheduler:
             rotary = q.state is RequestState.ROTARY
             if rotary and not policy.may_swap_in(q, plan.preempted):
                 continue
+            early = (rotary and parked_within is not None
+                     and not self._parked_must_preempt(q, plan.now, parked_within))
+            if early and not free_only:
+                # Fast skip, the same outcome as the walk below: a parked candidate not
+                # yet due takes only a free seat and blocks it fits in (the tests inlined
+                # as in the free_only skip; cost: its whole table, nothing reused).
+                if fits_early is None:
+                    fits_early = self._early_fits(plan, growth_per_seat)
+                if fits_early >= 0 and (need_seat or (
+                        len(q.prompt_token_ids) + len(q.output_token_ids) + q.num_placeholders
+                        > fits_early and q.num_computed_tokens + plan.budget > fits_early)):
+                    if cap is not None and plan.xfer_used and (
+                            plan.xfer_used + len(tables[q.request_id]) > cap):
+                        break
+                    continue
             # Tokens to compute, blocks taken, blocks copied in (a cached prefix counts).
             n, need, cost = bm.admission(q, plan.budget)
             swaps_in = rotary or cost > 0  # an H2D copy fills some of its blocks
             # A request larger than B_xfer may still move alone, or it would starve.
             if cap is not None and plan.xfer_used and plan.xfer_used + cost > cap:
                 break
-            early = (rotary and parked_within is not None
-                     and not self._parked_must_preempt(q, plan.now, parked_within))
             if free_only or early:
                 # Nobody may be preempted (any more, or for this parked candidate yet):
                 # only free blocks serve; a parked one not yet due leaves the running
@@ -706,6 +724,7 @@ class Scheduler:
                 self.stats.parked_preemptions += len(chosen)
             for v in chosen:
                 self._preempt(v, plan)
+            fits_early = None  # blocks and seats change below (or the walk ends)
             n, need, cost = bm.admission(q, plan.budget)
             if (need > self._room(rotary or cost > 0, plan.reserve) or n <= 0
                     or len(self.running) >= self._seat_limit):
@@ -739,6 +758,16 @@ class Scheduler:
                 if self._free_below_least(plan):
                     break
                 fits_waiting, fits_rotary = self._free_fits(plan)
+
+    def _early_fits(self, plan: _Plan, growth_per_seat: float) -> int:
+        """For _admit's fast skip of parked candidates not yet due: the tokens such a
+        candidate may need at most to fit the blocks it may take (those that leave the
+        running requests room to grow, _rotation_needed); -1 where that test is not exact
+        (a device block cache: a swap-in may reuse cached blocks, bm.admission)."""
+        if self.bm.caches_device_blocks:
+            return -1
+        reserve = plan.reserve + math.ceil((len(self.running) + 1) * growth_per_seat)
+        return max(0, self._room(True, reserve)) * self.config.block_size
 
     def _count_prefix_hit(self, req: Request, hit: PrefixHit) -> None:
         """A waiting request was admitted onto a cached prefix (maybe empty): count it."""

@@ -516,7 +516,8 @@ def test_queue_tracks_its_smallest_request() -> None:
 @pytest.mark.parametrize("params", PARAMS_VARIANTS)
 def test_lvf_merge_key_is_the_vlt_definitions(params: VLTParams) -> None:
     """LVF's merge key computes is_late, lag_anchor and vlt in one pass (the admission walk
-    asks it of hundreds of candidates per iteration): bit for bit the definitions'."""
+    asks it of hundreds of candidates per iteration), and slack_s deadline's: bit for bit
+    the definitions'."""
     import random
 
     from scheduler_svc.policy.vlt import lag_anchor
@@ -549,6 +550,9 @@ def test_lvf_merge_key_is_the_vlt_definitions(params: VLTParams) -> None:
         key = lvf.merge_key(r, now)
         assert key == definition(r, now)
         seen.add((state, started, key[0]))
+        # slack_s inlines deadline() too (admission asks it of every parked candidate).
+        slack = deadline(r, lvf.gap_s, lvf.lengths) - now
+        assert lvf.slack_s(r, now) == (slack if slack >= 0.0 else None)
     assert len(seen) == 12  # every state, started or not, late and on time
 
 

@@ -145,7 +145,27 @@ class LVFPolicy(Policy):
         # (Scheduler._rotation_needed), and takes free seats first. Measured (docs/sim/issue18/README.md, 2026-12-05): counting it as
         # on time with no slack left doubled LVF's rotations on gh200-96gb at 17 req/s
         # (6,961 against 3,220) and cost 10 points of TPOT.
-        slack = deadline(candidate, self.gap_s, self.lengths) - now
+        # vlt.deadline's arithmetic inlined (admission asks it of every parked candidate
+        # it walks past, tens per iteration); tests/test_policy.py checks it against it.
+        slo, first, gap = candidate.slo, candidate.first_token_time, self.gap_s
+        if first is None:
+            dl = candidate.arrival_time + slo.ttft_s
+            if gap is not None:
+                dl = dl - FIRST_TOKEN_BATCHES * gap
+        else:
+            tbt = slo.tbt_s
+            k = len(candidate.output_token_ids) + candidate.num_placeholders  # tokens_out
+            dl = first + k * tbt
+            if gap is not None and tbt > gap:  # catch_up_limit, within tokens_left
+                win = tbt - gap
+                left = (candidate.sampling.max_tokens - k if candidate.length_known
+                        else tokens_left(candidate, k, self.lengths))
+                extra = left * win - tbt
+                if win < gap:  # only the exchange rate's share counts
+                    extra = extra * win / gap
+                if extra > 0.0:
+                    dl = dl + extra
+        slack = dl - now
         return slack if slack >= 0.0 else None
 
     def prompt_batches_s(self, candidate: Request, chunk_tokens: int) -> float:
