@@ -19,10 +19,9 @@
 # `DRY_RUN=1 bash scripts/gpu_check.sh` runs the same steps on a CPU (interpreted kernels,
 # tiny shapes; the GPU-only steps are skipped) to check the script itself.
 set -uo pipefail
-WHEELS=(structlog==26.1.0 grpcio==1.85.3 grpcio-health-checking==1.85.1 protobuf==7.36.2
-        gguf==0.19.0 fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5
-        annotated-types==0.8.0 typing-inspection==0.4.5 uvicorn==0.54.0 anyio==4.16.0
-        sniffio==1.3.1)
+# The wheels the GPU machine lacks, at the versions of constraints.txt (the tested set).
+WHEEL_NAMES=(structlog grpcio grpcio-health-checking protobuf gguf fastapi starlette pydantic
+             pydantic_core annotated-types typing-inspection uvicorn anyio sniffio)
 MODEL_PARTS=3
 STAGE=/tmp/superinfer_model
 
@@ -30,6 +29,11 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
   exclude=$(git rev-parse --git-path info/exclude)  # a worktree's .git is a file
   for p in /.whl/ /.gpu_model/; do
     grep -qx "$p" "$exclude" 2>/dev/null || echo "$p" >> "$exclude"
+  done
+  WHEELS=()
+  for n in "${WHEEL_NAMES[@]}"; do
+    pin=$(grep -i -m1 "^$n==" constraints.txt) || { echo "constraints.txt pins no $n" >&2; exit 1; }
+    WHEELS+=("$pin")
   done
   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
