@@ -658,6 +658,8 @@ class Scheduler:
             # With every seat taken, a candidate must displace someone (LVF may; FCFS-like
             # policies wait for a seat to free up).
             need_seat = len(self.running) >= self._seat_limit
+            # ... and whether that seat is one the iteration-time budget holds back.
+            policy.time_bound = need_seat and self._seat_limit < self.config.max_num_seqs
             if need_seat and (fcfs_mode or not victims):
                 break
             if q.request_id in plan.displaced:

@@ -416,15 +416,20 @@ def test_lvf_stops_skipping_a_new_request_that_lags_past_hold_vlt() -> None:
     assert admitted_at(3.0) == ["small-running"]
 
 
-def test_lvf_rotates_out_to_free_a_seat() -> None:
+@pytest.mark.parametrize("memory_margin", [0.0, 1.0, 6.0])
+def test_lvf_rotates_out_to_free_a_seat(memory_margin: float) -> None:
     """Seats bind before memory (max_num_seqs 2, a pool of 100 blocks): LVF leaves plain FCFS
     all the same and rotates a running request out for a lagging new one (issue #18: with
-    the engine's 256 seats LVF used to stay inert whenever memory was not short)."""
+    the engine's 256 seats LVF used to stay inert whenever memory was not short). The seat
+    is held by max_num_seqs, not by the iteration-time budget: with memory_margin the new
+    request must lag the victim by that much more (here it lags by 1 lag unit: 1 is not
+    more, so it waits)."""
     t = [0.0]
     s = Scheduler(
         SchedulerConfig(num_device_blocks=100, num_host_blocks=64, block_size=4,
                         max_batched_tokens=64, max_num_seqs=2, eager_budget_blocks=0),
-        make_policy("lvf", P), clock=lambda: t[0],
+        make_policy("lvf", P, RotationLimits(memory_margin=memory_margin)),
+        clock=lambda: t[0],
     )
     for rid, tbt in (("r0", 10.0), ("r1", 10.0), ("new", 0.1)):
         s.add_request(Request(rid, list(range(7)), SamplingParams(max_tokens=500), 0.0,
@@ -434,7 +439,11 @@ def test_lvf_rotates_out_to_free_a_seat() -> None:
     t[0] = 0.5  # "new" on time (VLT -0.5); the running ones, with a loose TBT SLO of 10 s,
     # ahead of their pace (anchor 5.0: VLT -1.5)
     out = s.schedule()
-    assert "new" in [c.request_id for c in out.chunks] and len(s.running) == 2
+    assert not s.policy.time_bound and len(s.running) == 2
+    if memory_margin >= 1.0:
+        assert out.rotated_out == [] and "new" not in [c.request_id for c in out.chunks]
+        return
+    assert "new" in [c.request_id for c in out.chunks]
     assert out.rotated_out == ["r1"]
 
 
@@ -804,6 +813,8 @@ def test_park_cover_reaches_the_policy_from_the_flags() -> None:
             EngineConfig(park_cover=bad)
     assert PolicyVariant.parse("lvf:cover=2").apply(SimConfig()).park_cover == 2.0
     assert PolicyVariant.parse("lvf:cover=none").apply(SimConfig(park_cover=1.0)).park_cover is None
+    assert rotation_limits(EngineConfig(memory_margin=6.0)).memory_margin == 6.0
+    assert PolicyVariant.parse("lvf:memory_margin=3").apply(SimConfig()).memory_margin == 3.0
 
 
 def test_rotation_limits_refuse_values_out_of_range_wherever_they_are_set() -> None:
@@ -815,7 +826,7 @@ def test_rotation_limits_refuse_values_out_of_range_wherever_they_are_set() -> N
     with pytest.raises(ValueError, match="xfer_budget_blocks"):
         RotationLimits(xfer_budget_blocks=-1)
     bad = {"min_residency": -1, "iteration_budget": 1.5, "prefill_within": 0.0,
-           "lazy_margin": -0.1, "park_cover": 0.0}
+           "lazy_margin": -0.1, "park_cover": 0.0, "memory_margin": -1.0}
     for field, value in bad.items():
         with pytest.raises(ValueError, match=field):
             RotationLimits(**{field: value})
@@ -830,7 +841,8 @@ def test_rotation_limits_refuse_values_out_of_range_wherever_they_are_set() -> N
 def test_serve_and_the_simulator_build_the_same_policy_parameters_by_default() -> None:
     """`superinfer serve` and `superinfer sim` give LVF the same VLT parameters and
     rotation limits unless told otherwise (their defaults are written in each config):
-    the dataclasses' own defaults, but for the engine's residency and hold. A config that
+    the dataclasses' own defaults, but for the engine's residency, hold and memory margin
+    (the bare dataclass is the mechanism without its guards, for tests). A config that
     lacks a parameter is an error, not a silent default."""
     import dataclasses
     import types
@@ -845,7 +857,8 @@ def test_serve_and_the_simulator_build_the_same_policy_parameters_by_default() -
     served = rotation_limits(engine)
     assert params_from(RotationLimits, sim, xfer_budget_blocks=served.xfer_budget_blocks) == served
     assert served == RotationLimits(xfer_budget_blocks=served.xfer_budget_blocks,
-                                    min_residency=engine.min_residency, hold_vlt=engine.hold_vlt)
+                                    min_residency=engine.min_residency, hold_vlt=engine.hold_vlt,
+                                    memory_margin=engine.memory_margin)
     assert params_from(RotationLimits, engine, growth_room=0.25).growth_room == 0.25
     lacking = types.SimpleNamespace(**{f.name: getattr(engine, f.name)
                                        for f in dataclasses.fields(RotationLimits)})

@@ -517,16 +517,19 @@ class PerToken:
         pass
 
 
-def test_lvf_frees_every_seat_a_candidate_needs_when_the_seat_limit_drops() -> None:
+@pytest.mark.parametrize("memory_margin", [0.0, 6.0])
+def test_lvf_frees_every_seat_a_candidate_needs_when_the_seat_limit_drops(
+        memory_margin: float) -> None:
     """Six decodes run, far ahead of their pace. The executor slows: ten tokens fit the
     90 ms target, and a waiting prompt's demand keeps half of them for prefill, so five
     seats are left for decodes. The new request, which may preempt them, is seated at once:
     LVF rotates out the two it takes, not one a batch while nobody is admitted (it did
     that in the simulator's mixed-SLO run at gh200 artifact settings, for seconds, while
-    interactive requests went late with thousands of blocks free: docs/sim/issue18)."""
+    interactive requests went late with thousands of blocks free: docs/sim/issue18).
+    The iteration-time budget holds these seats, so memory_margin does not apply."""
     clock = [0.0]
     cost = PerToken(1e-5)
-    limits = RotationLimits(min_residency=0, prefill_within=0.02)
+    limits = RotationLimits(min_residency=0, prefill_within=0.02, memory_margin=memory_margin)
     sched = Scheduler(SchedulerConfig(num_device_blocks=256, num_host_blocks=256, block_size=4,
                                       max_num_seqs=16, eager_budget_blocks=0),
                       make_policy("lvf", VLTParams(), limits),
@@ -544,7 +547,7 @@ def test_lvf_frees_every_seat_a_candidate_needs_when_the_seat_limit_drops() -> N
     sched.add_request(new)
     clock[0] += 1.0
     out = sched.schedule()
-    assert sched._seat_limit == 5
+    assert sched._seat_limit == 5 and sched.policy.time_bound
     assert new.state is RequestState.RUNNING and "new" in {c.request_id for c in out.chunks}
     assert len(out.rotated_out) == 2 and len(sched.running) == 5
 
@@ -726,9 +729,10 @@ def _sim(variant: str) -> dict[str, float]:
 
 def test_raising_alpha_lowers_ttft_and_raises_per_request_tbt_attainment() -> None:
     """α weighs a started request's lag against a new one's (vlt.py). Measured (gh200-96gb,
-    24 req/s, 60 s, seed 0): TTFT 100 / 99.3 / 79.4 % and TPOT 90.7 / 100 / 100 % at α 0.1,
-    3, 30 (TPOT is full from α 3 on). Per-gap TBT attainment hardly moves with α (99.0 /
-    98.9 / 99.1 %): each rotation costs its request one gap however long it is parked, and
+    24 req/s, 60 s, seed 0, memory margin 6): TTFT 100 / 58.4 / 56.7 % and TPOT 83.0 / 100 /
+    100 % at α 0.1, 3, 30 (TPOT is full from α 3 on; before the margin, 2026-12-06: TTFT
+    100 / 99.3 / 79.4, TPOT 90.7 / 100 / 100). Per-gap TBT attainment hardly moves with α
+    (99.8 / 100 / 100 %): each rotation costs its request one gap however long it is parked, and
     α changes how long more than how often. So the direction holds for the per-request TBT
     (TPOT), not per gap."""
     lo, mid, hi = (_sim(f"lvf:alpha={a}") for a in (0.1, 3, 30))
@@ -739,21 +743,21 @@ def test_raising_alpha_lowers_ttft_and_raises_per_request_tbt_attainment() -> No
 
 def test_raising_beta_f_lowers_ttft_attainment_of_new_requests() -> None:
     """β_F: the share of its TPOT budget a started request may use before it lags. Measured:
-    TTFT 100 / 92.2 / 86.2 % at β_F 0, 0.5, 1."""
+    TTFT 86.4 / 79.8 / 75.1 % at β_F 0, 0.5, 1 (memory margin 6; 100 / 92.2 / 86.2 before it)."""
     ttft = [_sim(f"lvf:beta_f={b}")["ttft"] for b in (0.0, 0.5, 1.0)]
     assert ttft[0] > ttft[1] > ttft[2]
 
 
 def test_raising_beta_b_lowers_tbt_attainment_of_rotary_requests() -> None:
     """β_B: a new request lags after (1 − β_B) of its TTFT budget, so it outranks parked ones
-    sooner. Measured: TPOT attainment of the rotated requests 99.1 / 88.0 / 74.6 % at β_B 0,
-    0.5, 1. Their per-gap TBT attainment does not fall (98.8 / 99.0 / 99.0 %): waiting
-    longer adds no missed gap to a parked request, and there are fewer rotations (5845 /
-    4746 / 4997; until 2026-12-02 they fell strictly, 1745 / 1408 / 740 at 26 req/s for
-    30 s, and the test asserted it: not a direction DESIGN §4 asks for)."""
+    sooner. Measured: TPOT attainment of the rotated requests 96.0 / 80.6 / 75.9 % at β_B 0,
+    0.5, 1. Their per-gap TBT attainment does not fall (99.9 / 99.8 / 99.8 %): waiting
+    longer adds no missed gap to a parked request. Rotations are not a direction DESIGN §4
+    asks for: they fell with β_B until the memory margin (2026-12-06; 5845 / 4746 / 4997
+    before it), and now rise (291 / 306 / 323): a new request that lags sooner clears the
+    margin over more running ones."""
     runs = [_sim(f"lvf:beta_b={b}") for b in (0.0, 0.5, 1.0)]
     assert runs[0]["tpot_rotated"] > runs[1]["tpot_rotated"] > runs[2]["tpot_rotated"]
-    assert runs[0]["rotations"] > max(runs[1]["rotations"], runs[2]["rotations"])
     assert not math.isnan(runs[0]["tbt_rotated"])
 
 

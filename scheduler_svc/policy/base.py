@@ -68,6 +68,14 @@ class RotationLimits:
     # leaves this share of what the running requests grow by until the next finish
     # (Scheduler._rotation_needed, which says why a half; 0: none, every free block serves).
     growth_room: float = 0.5
+    # Where the seat a candidate needs is held by memory or max_num_seqs, not by the
+    # iteration-time budget (`Policy.time_bound` False), it must lag its victim by this
+    # much more (LVF; in lag units). There rotation only moves who waits: every rotation
+    # is a missed gap and a stay parked that TPOT pays for. Where the budget holds the
+    # seat, the batch is compute-bound and slack alone decides (measured in the
+    # simulator, docs/sim/issue18/README.md, "A margin where the batch time does not hold
+    # the seat"). 0: off.
+    memory_margin: float = 0.0
 
     def __post_init__(self) -> None:
         if self.xfer_budget_blocks is not None and self.xfer_budget_blocks < 0:
@@ -86,6 +94,8 @@ class RotationLimits:
             raise ValueError(f"park_cover must be positive (None: off), got {self.park_cover}")
         if not self.growth_room >= 0.0:
             raise ValueError(f"growth_room must be >= 0, got {self.growth_room}")
+        if not self.memory_margin >= 0.0:
+            raise ValueError(f"memory_margin must be >= 0, got {self.memory_margin}")
 
 
 class Unservable(enum.Enum):
@@ -118,6 +128,10 @@ class Policy(ABC):
     # cover the wait for seats that finishing requests free (limits.lazy_rotation turns it
     # off).
     lazy_rotation: bool = False
+    # The scheduler's word, for the candidate it asks `may_preempt` about: whether every
+    # seat is taken because the iteration-time budget allows no more (True), rather than
+    # memory or max_num_seqs (limits.memory_margin).
+    time_bound: bool = False
 
     def set_lag_unit(self, unit_s: float | None) -> None:
         """The scheduler's word, whenever the live requests' TTFT SLOs change: one unit

@@ -170,6 +170,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--growth-room", type=float, default=_D.growth_room,
                    help="LVF: a parked request coming back early into free blocks leaves "
                         "this share of what the running ones grow by until the next finish")
+    s.add_argument("--memory-margin", type=float, default=_D.memory_margin,
+                   help="LVF: where memory or --max-num-seqs, not the iteration-time budget, "
+                        "holds the seat a candidate needs, it must lag its victim by this "
+                        "much more (in TTFT SLOs; 0: off)")
     s.add_argument("--iteration-cost", choices=["online", "model", "none"], default=_D.cost,
                    help="what the scheduler knows of batch times: a fit of the simulated "
                         "executor's times as the service does (online), the cost model "
@@ -225,6 +229,7 @@ def build_config(args: argparse.Namespace) -> SimConfig:
         parked_first=args.parked_first,
         park_cover=args.park_cover,
         growth_room=args.growth_room,
+        memory_margin=args.memory_margin,
         cost=args.iteration_cost,
         eager_budget_blocks=args.eager_budget_blocks,
         layout=args.layout,

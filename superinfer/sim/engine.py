@@ -86,6 +86,7 @@ class SimConfig:
     parked_first: bool = _ENGINE.parked_first
     park_cover: float | None = _ENGINE.park_cover
     growth_room: float = _ENGINE.growth_room
+    memory_margin: float = _ENGINE.memory_margin
     cost: str = "online"  # what the scheduler knows of iteration times: online, model, none
     eager_budget_blocks: int = AUTO  # 0: no eager copies
     layout: str = "block-first"
@@ -172,6 +173,8 @@ _VARIANT_KEYS = {
     "growth_room": ("growth_room", float),
     "growth-room": ("growth_room", float),
     "room": ("growth_room", float),
+    "memory_margin": ("memory_margin", float),
+    "memory-margin": ("memory_margin", float),
     "cost": ("cost", str),
     "eager": ("eager_budget_blocks", "budget"),
     "layout": ("layout", str),
