@@ -632,6 +632,9 @@ class Scheduler:
         cap = limits.xfer_budget_blocks
         bs = self.config.block_size
         plan.reserve = 0 if fcfs_mode else policy.growth_reserve_blocks(len(self.running), bs)
+        # Whether the seat limit is the iteration-time budget's (below max_num_seqs): with
+        # every seat taken, the seat a candidate needs is then one the budget holds back.
+        budget_seats = self._seat_limit < self.config.max_num_seqs
         free_only = False
         fits_waiting: int | None = None  # while free_only: see _free_fits
         fits_rotary: int | None = None
@@ -658,8 +661,7 @@ class Scheduler:
             # With every seat taken, a candidate must displace someone (LVF may; FCFS-like
             # policies wait for a seat to free up).
             need_seat = len(self.running) >= self._seat_limit
-            # ... and whether that seat is one the iteration-time budget holds back.
-            policy.time_bound = need_seat and self._seat_limit < self.config.max_num_seqs
+            policy.time_bound = need_seat and budget_seats  # for may_preempt
             if need_seat and (fcfs_mode or not victims):
                 break
             if q.request_id in plan.displaced:

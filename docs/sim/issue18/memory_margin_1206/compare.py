@@ -13,9 +13,10 @@ import sys
 from pathlib import Path
 
 ISSUE18 = Path(__file__).resolve().parent.parent
-BASELINES = ("swapped-first", "waiting-first", "fcfs")
-NAMES = ("gh200_artifact", "gh200_96gb_defaults", "gh200_defaults", "mixtral_artifact",
-         "llama3_artifact", "llama3_artifact_high", "mixed_gh200_artifact", "mixed_gh200_96gb")
+sys.path.insert(0, str(ISSUE18))
+from must_show import BASELINES, MIXED, RUNS  # noqa: E402
+
+NAMES = RUNS + MIXED
 
 
 def row(r: dict) -> str:
