@@ -10,7 +10,8 @@ every running request costs a few microseconds per decision (its chunk and block
 so the second default row shows the cost with a batch of thousands.
 
 As in the service, a policy with an iteration time target (lvf) gets the online fit of the
-executor's batch times (`OnlineIterationCost`); the trivial executor reports a modelled
+executor's batch times (`OnlineIterationCost`), and every other VLT parameter and rotation
+limit at the engine's default (`EngineConfig`); the trivial executor reports a modelled
 time per batch (`5 ms + 0.1 ms per token`, about a GH200 decode step of Qwen2.5-32B), so
 the time-budget path is part of what is measured.
 
@@ -25,11 +26,12 @@ import random
 import statistics
 import time
 
+from common.config import EngineConfig
 from common.contracts import ExecuteResult
-from scheduler_svc.policy import RotationLimits, VLTParams, make_policy
 from scheduler_svc.policy.iteration_cost import OnlineIterationCost
 from scheduler_svc.request import SLO, Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.setup import policy_from
 from superinfer.bench.report import table, write_json
 
 
@@ -57,7 +59,10 @@ def measure(live: int, policy: str, iterations: int, xfer_budget: int | None = 2
     clock = [0.0]
     bs = 16
     # Device memory for about a third of the live requests' KV: rotation is in play.
-    pol = make_policy(policy, VLTParams(max_stall=max_stall), RotationLimits(xfer_budget, min_residency))
+    # The policy as `superinfer serve` builds it: every VLT parameter and rotation limit at
+    # the engine's default but the ones measured here.
+    pol = policy_from(EngineConfig(policy=policy, xfer_budget_blocks=xfer_budget,
+                                   min_residency=min_residency, max_stall=max_stall))
     cost = OnlineIterationCost() if pol.iteration_target_s(0.1) is not None else None
     sched = Scheduler(
         SchedulerConfig(num_device_blocks=live * 2, num_host_blocks=live * 8, block_size=bs,
