@@ -41,7 +41,8 @@ def verdicts(path: Path) -> list[tuple[str, str, float, bool, bool, list[str]]]:
 
 
 def main(dirs: list[str]) -> int:
-    paths = sorted(p for d in (dirs or [str(ROOT)]) for p in Path(d).rglob("results.json*"))
+    paths = sorted(p for d in (dirs or [str(ROOT)])
+                   for p in Path(d).resolve().rglob("results.json*"))
     print("| result | row | seed | req/s | holds (0.05 ties) | holds (exact) | dominated by (exact) |")
     print("|---|---|---|---|---|---|---|")
     changed = 0
@@ -49,7 +50,8 @@ def main(dirs: list[str]) -> int:
         for label, seed, rate, tie, strict, dom in verdicts(p):
             changed += tie != strict
             mark = " **changed**" if tie != strict else ""
-            print(f"| {p.parent.relative_to(ROOT)} | {label} | {seed} | {rate} | {tie}{mark} "
+            where = p.parent.relative_to(ROOT) if p.is_relative_to(ROOT) else p.parent
+            print(f"| {where} | {label} | {seed} | {rate} | {tie}{mark} "
                   f"| {strict} | {', '.join(dom) or '-'} |")
     print(f"\n{changed} verdict(s) differ between the two ties")
     return 0
