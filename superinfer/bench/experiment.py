@@ -265,8 +265,9 @@ def claim(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-# Attainment points within which two passes tie on the Pareto check, as in the simulator's
-# must-show check (docs/sim/issue18/must_show.py). A pass of 100 requests has ~28,000 gaps
+# Attainment points within which two passes tie on the Pareto check: the threshold of the
+# simulator's must-show check (docs/sim/issue18/must_show.py, which applies it to values
+# rounded to 0.1 points; here it applies to the raw ones). A pass of 100 requests has ~28,000 gaps
 # at 99.4 % per-gap TBT attainment: one pass's sampling error alone is ~0.05 points
 # (sqrt(p(1-p)/n)), 14 gaps. TTFT counts requests, a point each, so its ties stay exact.
 TIE_POINTS = 0.05

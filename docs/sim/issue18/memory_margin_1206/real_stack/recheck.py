@@ -24,8 +24,9 @@ def load(path: Path) -> dict:
         return json.load(f)
 
 
-def verdicts(path: Path) -> list[tuple[str, str, float, bool, bool, list[str]]]:
-    d = load(path)
+def verdicts(d: dict) -> list[tuple[str, str, float, bool, bool, list[str]]]:
+    """(row, seed, rate, holds with 0.05 ties, holds exactly, exact dominators) per checked
+    rate of one `bench experiment` result `d`."""
     cfg = d["config"]
     rows = [r for r in d["results"] if r.get("ttft_attainment") is not None]
     if (cfg.get("repeats") or 1) > 1:
@@ -47,7 +48,7 @@ def main(dirs: list[str]) -> int:
     print("|---|---|---|---|---|---|---|")
     changed = 0
     for p in paths:
-        for label, seed, rate, tie, strict, dom in verdicts(p):
+        for label, seed, rate, tie, strict, dom in verdicts(load(p)):
             changed += tie != strict
             mark = " **changed**" if tie != strict else ""
             where = p.parent.relative_to(ROOT) if p.is_relative_to(ROOT) else p.parent

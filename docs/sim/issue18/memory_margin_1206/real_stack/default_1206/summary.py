@@ -30,7 +30,7 @@ def main() -> int:
     for p in sorted(HERE.glob("main_*/results.json*")):
         d = load(p)
         rows = {r["policy"]: r for r in d["results"]}
-        (_, seed, rate, tie, strict, _), = verdicts(p)
+        (_, seed, rate, tie, strict, _), = verdicts(d)
         print(f"| {seed}, {rate} | " + " | ".join(cell(rows[k]) for k in ORDER)
               + f" | {tie} | {strict} |")
     return 0
