@@ -24,7 +24,7 @@ KV_DTYPE_NAMES = ("auto", "float32", "bfloat16")  # auto: float32 with float32 w
 # LVF's --park-cover (RotationLimits.park_cover): a started request is rotated out only
 # where its slack covers this many times the mean time parked requests stay parked. Off:
 # at 1 it moved TTFT into TPOT (simulator: as many must-show cells failed, a different
-# set; real stack: better in two 2x pairs, worse in one; docs/sim/issue18/README.md).
+# set; real stack: better in two 2x pairs, worse in one; docs/results/rotasched/).
 PARK_COVER: float | None = None
 # LVF's --growth-room (RotationLimits.growth_room; Scheduler._rotation_needed says why a
 # half: the whole growth to the next finish left blocks idle and lengthened LVF's tail).
@@ -33,7 +33,7 @@ GROWTH_ROOM = 0.5
 # than its victim where the seat it needs is held by memory or --max-num-seqs, not by the
 # iteration-time budget. 6: every must-show cell of the simulator passes (0: four fail on
 # TPOT), at 1 % of the goodput summed over them; on the real stack at 2x, as good or
-# better (docs/sim/issue18/README.md, "A margin where the batch time does not hold the seat").
+# better (docs/results/rotasched/, "A margin where the batch time does not hold the seat").
 MEMORY_MARGIN = 6.0
 
 
@@ -69,7 +69,7 @@ class EngineConfig:
     # TTFT SLO after its last token (policy/vlt.py, measured there; None: no bound).
     max_stall: float | None = None
     xfer_budget_blocks: int | None = None  # B_xfer; None = unlimited
-    min_residency: int = 32  # iterations; measured in the simulator (docs/sim)
+    min_residency: int = 32  # iterations; measured in the simulator (docs/results/simulator/)
     vlt_margin: float = 0.0
     hold_vlt: float | None = -0.5  # LVF stops skipping a new request once its VLT reaches this
     # Iteration-time-aware admission: an iteration may take this share of the tightest TBT

@@ -81,7 +81,7 @@ def free_port() -> int:
 
     Chosen below the kernel's ephemeral range where there is room: a port the kernel hands
     out is also the next outgoing connection's, and one did take a gateway's port while
-    the services started before it (CI, 2026-12-04: "cannot listen ... port in use")."""
+    the services started before it (seen in CI: "cannot listen ... port in use")."""
     low = _ephemeral_low()
     if low is not None and low > 11024:
         for _ in range(64):

@@ -2,8 +2,8 @@
 
 The library is llguidance, chosen by measuring the per-token mask time on this CPU (median
 per row and token: xgrammar 0.004 ms, llguidance 0.017 ms, outlines-core 0.34 ms; xgrammar
-was faster but pulls in heavy dependencies, llguidance needs none). `superinfer bench
-grammar` measures llguidance's mask in this code (docs/results/grammar.md). The gateway validates here, so a grammar the library cannot compile is a
+was faster but pulls in heavy dependencies, llguidance needs none). `python -m experiments
+grammar` measures llguidance's mask in this code (docs/results/grammar/). The gateway validates here, so a grammar the library cannot compile is a
 400 naming the problem before a request reaches the scheduler; the worker compiles the
 same text into matchers (worker/grammar.py). Nothing else in the project names the library.
 """

@@ -19,10 +19,12 @@ import stat
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from common.daemon import pid_alive, process_start
+
+if TYPE_CHECKING:  # torch loads where a tensor is made: the supervisor uses only the record
+    import torch
 
 SHM_DIR = "/dev/shm"
 PAGE = mmap.PAGESIZE
@@ -30,6 +32,8 @@ _created: set[str] = set()  # segments this process owns (its resource tracker k
 
 
 def tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    import torch
+
     return math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
 
 
@@ -39,6 +43,8 @@ def prefault(t: torch.Tensor, write: bool) -> None:
     `write=True` (the owner, on fresh zero memory) allocates the pages; an attaching
     process only reads, since the pool may already hold live KV.
     """
+    import torch
+
     flat = t.view(-1).view(torch.uint8)
     pages = flat[::PAGE]
     if write:
@@ -113,6 +119,8 @@ class SharedTensor:
 
 
 def _as_tensor(shm: SharedMemory, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    import torch
+
     count = math.prod(shape)
     return torch.frombuffer(shm.buf, dtype=dtype, count=count).view(shape)
 

@@ -1,9 +1,9 @@
-"""`superinfer sim fidelity`: the simulator against the real stack on the same workload.
+"""`python -m experiments fidelity`: the simulator against the real stack on the same workload.
 
-    superinfer sim fidelity --experiment docs/results/experiment/results.json \\
+    python -m experiments fidelity --experiment .experiments/policies/results.json \\
         --json fidelity.json --plot fidelity.png
 
-Reads what `superinfer bench experiment` wrote and, for every (policy, rate) it measured,
+Reads what `python -m experiments policies` wrote and, for every (policy, rate) it measured,
 simulates the same thing on the `cpu-local` profile (this machine, `superinfer sim
 calibrate`) with the bundled model's profile:
 
@@ -57,7 +57,7 @@ class FidelityError(SuperInferError):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experiment", required=True, metavar="PATH",
-                   help="results.json written by `superinfer bench experiment`")
+                   help="results.json written by `python -m experiments policies`")
     p.add_argument("--hardware", default="cpu-local", help="hardware profile (name or .json)")
     p.add_argument("--model", default="smollm2-135m", help="model profile (the bundled model's)")
     p.add_argument("--threshold", type=float, default=THRESHOLD_POINTS,
@@ -71,14 +71,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def load_experiment(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
-        raise FidelityError(f"{p}: no such file (run `superinfer bench experiment` first)")
+        raise FidelityError(f"{p}: no such file (run `python -m experiments policies` first)")
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise FidelityError(f"{p}: not valid JSON ({e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("config"), dict) \
             or not isinstance(data.get("results"), list) or not data["results"]:
-        raise FidelityError(f"{p}: expected `bench experiment` output: a 'config' object and "
+        raise FidelityError(f"{p}: expected `python -m experiments policies` output: a 'config' object and "
                             "a non-empty 'results' list")
     need = ["dataset", "duration", "seed", "max_prompt_len", "max_output_len", "length_scale",
             "ttft_slo", "tbt_slo", "device_blocks", "host_blocks", "max_num_seqs"]
@@ -111,7 +111,7 @@ def workload_spec(config: dict[str, Any], rps: float) -> WorkloadSpec:
 
 def engine_config(config: dict[str, Any], policy: str) -> tuple[EngineConfig, dict[str, Any]]:
     """The EngineConfig `serve` parsed for this policy, and the kvmem transfer settings."""
-    from superinfer.bench.experiment import engine_argv
+    from experiments.policies import engine_argv
 
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     EngineConfig.add_arguments(parser)
@@ -178,7 +178,7 @@ def real_batch_s(execute_s: float | None, execute_rpc_s: float | None,
 
     Serial, that is the Execute RPC's wall time. Pipelined (the default), batch t+1's
     Execute is sent while t runs and queues in the worker behind it, so its wall time also
-    holds most of t: about twice the batch (calibrated 2026-12-02: 196 ms of RPC wall time
+    holds most of t: about twice the batch (calibrated once: 196 ms of RPC wall time
     per batch against the worker's own 98 ms). There the worker's own time is the batch;
     the RPC's overhead, ~2 ms isolated, is left out."""
     if not executes:
@@ -413,7 +413,7 @@ def run(args: argparse.Namespace) -> int:
         hw, model = load_hardware(args.hardware), load_model(args.model)
         report = compare(data, hw, model, args.threshold)
     except (SuperInferError, SimulationError) as e:
-        print(f"superinfer sim fidelity: error: {e}", file=sys.stderr)
+        print(f"python -m experiments fidelity: error: {e}", file=sys.stderr)
         return 2
     report["experiment"] = str(args.experiment)
     print(f"{args.experiment}: real stack vs `superinfer sim` ({hw.name} + {model.name})")

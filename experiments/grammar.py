@@ -1,4 +1,4 @@
-"""`superinfer bench grammar`: what a structured-output mask costs per token.
+"""`python -m experiments grammar`: what a structured-output mask costs per token.
 
 Two measurements on the bundled model, one process:
 

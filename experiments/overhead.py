@@ -29,10 +29,10 @@ from typing import Any
 import httpx
 
 from common.daemon import free_port
+from experiments.proc_cpu import CPUMeter
+from experiments.sse_client import stream_post
 from superinfer.bench.engine import PROMPTS
-from superinfer.bench.proc_cpu import CPUMeter
 from superinfer.bench.report import table, write_json
-from superinfer.bench.sse_client import stream_post
 from superinfer.probes import grpc_probe, http_probe
 from superinfer.supervisor import ServiceSpec, Supervisor
 
@@ -66,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads on both sides (the started worker gets OMP_NUM_THREADS); "
                         "on a busy CPU, 1 avoids OpenMP threads waiting on each other")
     p.add_argument("--client", choices=CLIENTS, default="lean",
-                   help="the streaming client (superinfer/bench/sse_client.py): lean "
+                   help="the streaming client (experiments/sse_client.py): lean "
                         "(http:// only) takes the least CPU from the server it shares the "
                         "machine with; httpx is what this benchmark used before")
     p.add_argument("--json", default=None, help="write results to this JSON file")
@@ -86,7 +86,7 @@ CLIENTS = ("lean", "httpx")
 
 async def _served_once(url: str, prompts: list[str], new: int, client: str = "lean") -> Measure:
     """Stream every prompt at once through the gateway; `client`: `lean` (the benchmark's
-    default: superinfer/bench/sse_client.py, the least CPU taken from the server on a shared
+    default: experiments/sse_client.py, the least CPU taken from the server on a shared
     machine) or `httpx` (what these benchmarks used before)."""
     if client == "lean":
         return await _served_lean(url, prompts, new)
@@ -321,6 +321,6 @@ def _median_measure(runs: list[Measure]) -> Measure:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="superinfer bench overhead", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m experiments overhead", description=__doc__)
     add_arguments(parser)
     raise SystemExit(run(parser.parse_args()))

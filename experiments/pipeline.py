@@ -1,4 +1,4 @@
-"""`superinfer bench pipeline`: how busy the worker is, with the pipelined step and without.
+"""`python -m experiments pipeline`: how busy the worker is, with the pipelined step and without.
 
 The same workload twice — N concurrent greedy streams through the gateway, a device pool
 small enough that LVF rotates — once with the default (pipelined) step and once with
@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from experiments.overhead import CLIENTS, _served_once, _start_stack
 from scheduler_svc.trace import clock_origin, load_trace
 from superinfer.bench.engine import PROMPTS
 from superinfer.bench.report import table, write_json
-from superinfer.bench.serve_overhead import CLIENTS, _served_once, _start_stack
 
 MODES = {"pipelined": [], "serial": ["--no-pipeline"]}
 
@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-traces", default=None, metavar="DIR",
                    help="copy each mode's trace here (open them in ui.perfetto.dev)")
     p.add_argument("--client", choices=CLIENTS, default="lean",
-                   help="the streaming client (see bench overhead --client)")
+                   help="the streaming client (see the overhead study's --client)")
     p.add_argument("--json", default=None)
 
 

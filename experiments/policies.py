@@ -1,4 +1,4 @@
-"""`superinfer bench experiment`: the mission's claim on the real stack, on this machine.
+"""`python -m experiments policies`: the mission's claim on the real stack, on this machine.
 
 For each policy it starts the whole stack (`superinfer serve`: worker, kvmem, scheduler,
 gateway as separate processes) on the bundled model with a device pool small enough that
@@ -14,11 +14,11 @@ serve` (a separate client process), and stops the stack. Then it writes to `--ou
 
 `--variant LABEL=POLICY [FLAGS]` adds a pass per rate for POLICY with more `serve` flags,
 named LABEL in every table and file (an A/B of an option within one interleaved sweep, on
-the same machine state); `superinfer sim fidelity` replays it with those flags.
+the same machine state); `python -m experiments fidelity` replays it with those flags.
 
-The claims checked: issue #7's (at the highest rate where any policy keeps TBT attainment
+The claims checked: the TTFT gain (at the highest rate where any policy keeps TBT attainment
 >= 90 %, `lvf` raises TTFT attainment over `swapped-first` by >= 20 points with TBT
-attainment within 5 points) and issue #18's (at the rates from 1.5x the saturation rate
+attainment within 5 points) and the Pareto claim (at the rates from 1.5x the saturation rate
 up, `lvf` is on the Pareto front of (TTFT, per-gap TBT attainment) against every other
 policy, and its goodput as vLLM counts it is >= each of theirs). `--saturation R` sweeps
 0.5, 1, 1.5 and 2 x R; `--num-prompts N` sends N requests per pass (>= 100, or one
@@ -27,7 +27,7 @@ request is worth several points), instead of `--duration` seconds of arrivals.
 SLOs scale the paper's to this CPU (DESIGN 8: 5 s TTFT, 100 ms TBT on a GH200, where a
 decode iteration of Qwen2.5-32B takes ~40 ms): the TBT SLO is ~2.5 decode iterations and
 the TTFT SLO ~125 iterations. Here a decode iteration of the bundled model at the batch the
-small pool allows is ~80–120 ms (docs/results/bench_engine.json), hence the defaults of
+small pool allows is ~80–120 ms (docs/results/executor/), hence the defaults of
 300 ms and 10 s; `--ttft-slo/--tbt-slo` change them.
 """
 
@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "~0.7 req/s the small pool serves to ~3x over it; with --saturation, "
                         "0.5, 1, 1.5 and 2 x it)")
     p.add_argument("--saturation", type=float, default=None,
-                   help="the measured saturation rate (req/s): the issue #18 claim is checked "
+                   help="the measured saturation rate (req/s): the Pareto claim is checked "
                         "at the rates >= 1.5 x it; without --rates, sweep 0.5, 1, 1.5, 2 x it")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
     p.add_argument("--num-prompts", type=int, default=None,
@@ -109,7 +109,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=0, metavar="N",
                    help="requests each fresh stack serves (all at once, another seed) before "
                         "its pass is measured: a cold stack serves its first ~40 s slower")
-    p.add_argument("--out", default="docs/results/experiment", help="output directory")
+    p.add_argument("--out", default=".experiments/policies", help="output directory")
     p.add_argument("--startup-timeout", type=float, default=300.0)
 
 
@@ -238,7 +238,7 @@ class Stack:
 
 
 def claim(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The issue's claim, checked on the sweep's results (`holds` None: not checkable,
+    """The TTFT-gain claim (module doc), checked on the sweep's results (`holds` None: not checkable,
     the sweep did not run both lvf and swapped-first)."""
     policies = {r["policy"] for r in rows}
     if not {"lvf", "swapped-first"} <= policies:
@@ -266,7 +266,7 @@ def claim(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # Attainment points within which two passes tie on the Pareto check: the threshold of the
-# simulator's must-show check (docs/sim/issue18/must_show.py, which applies it to values
+# simulator's must-show check (experiments/must_show.py, which applies it to values
 # rounded to 0.1 points; here it applies to the raw ones). A pass of 100 requests has ~28,000 gaps
 # at 99.4 % per-gap TBT attainment: one pass's sampling error alone is ~0.05 points
 # (sqrt(p(1-p)/n)), 14 gaps. TTFT counts requests, a point each, so its ties stay exact.
@@ -287,7 +287,7 @@ def _dominators(lvf: dict[str, Any], others: list[dict[str, Any]], tie: float) -
 
 
 def pareto_claim(rows: list[dict[str, Any]], saturation: float | None) -> dict[str, Any]:
-    """Issue #18's claim at the rates >= 1.5x `saturation`: no other policy is at least as
+    """The Pareto claim at the rates >= 1.5x `saturation`: no other policy is at least as
     good on both TTFT and per-gap TBT attainment and better on one (beyond `TIE_POINTS`),
     and lvf's goodput (vLLM's) is >= each of theirs. `holds` None: not checkable.
     `dominated_by_strict` / `holds_strict` are the same check with exact ties."""
@@ -309,8 +309,8 @@ def pareto_claim(rows: list[dict[str, Any]], saturation: float | None) -> dict[s
         good = (lvf["goodput_rps"] or 0.0) >= best
         # vLLM's goodput is good requests over the pass's makespan; where every policy meets
         # nearly every SLO, the makespan follows the machine's speed during the pass, which
-        # drifted by up to a quarter between passes minutes apart here (docs/sim/issue18/
-        # real_stack, 2026-12-04 late). The good requests' count does not: it is shown beside.
+        # drifted by up to a quarter between passes minutes apart here. The good requests'
+        # count does not: it is shown beside.
         per_rate.append({"rate": rate, "dominated_by": dominated_by,
                          "dominated_by_strict": strict,
                          "goodput": lvf["goodput_rps"], "best_other_goodput": best,
@@ -327,13 +327,13 @@ def pareto_claim(rows: list[dict[str, Any]], saturation: float | None) -> dict[s
 def check_claims(rows: list[dict[str, Any]], variants: dict[str, dict[str, str]],
                  saturation: float | None) -> dict[str, Any]:
     """Both claims on the plain policies' passes (a variant is nobody's baseline), then
-    issue #18's again for each lvf variant in lvf's place, against the passes of the
+    the Pareto claim again for each lvf variant in lvf's place, against the passes of the
     policies that are not lvf."""
     plain = [r for r in rows if r["policy"] not in variants]
     baselines = [r for r in plain if r["policy"] != "lvf"]
     return {
-        "claim": claim(plain), "claim_issue18": pareto_claim(plain, saturation),
-        "claim_issue18_variants": {
+        "ttft_gain_claim": claim(plain), "pareto_claim": pareto_claim(plain, saturation),
+        "pareto_claim_variants": {
             label: pareto_claim(
                 baselines + [{**r, "policy": "lvf"} for r in rows if r["policy"] == label],
                 saturation)
@@ -380,11 +380,11 @@ def claims_per_round(rows: list[dict[str, Any]], variants: dict[str, dict[str, s
 
     return {
         "rounds": len(rounds),
-        "claim_held_in_rounds": held(lambda c: c["claim"]),
-        "claim_issue18_held_in_rounds": held(lambda c: c["claim_issue18"]),
-        "claim_issue18_variants_held_in_rounds": {
-            label: held(lambda c, label=label: c["claim_issue18_variants"][label])
-            for label in next(iter(each.values()))["claim_issue18_variants"]} if each else {},
+        "ttft_gain_claim_held_in_rounds": held(lambda c: c["ttft_gain_claim"]),
+        "pareto_claim_held_in_rounds": held(lambda c: c["pareto_claim"]),
+        "pareto_claim_variants_held_in_rounds": {
+            label: held(lambda c, label=label: c["pareto_claim_variants"][label])
+            for label in next(iter(each.values()))["pareto_claim_variants"]} if each else {},
         "per_round": {str(k): c for k, c in each.items()},
     }
 
@@ -440,11 +440,11 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = shlex.join(["superinfer", "bench", "experiment", *sys.argv[3:]])
+    command = shlex.join(["python", "-m", "experiments", "policies", *sys.argv[2:]])
     facts = machine_facts()
     if args.saturation is not None:
         if not args.saturation > 0:
-            print("superinfer bench experiment: error: --saturation must be a positive rate "
+            print("python -m experiments policies: error: --saturation must be a positive rate "
                   "in req/s", file=sys.stderr)
             return 2
         if args.rates is None:
@@ -455,13 +455,13 @@ def _run(args: argparse.Namespace) -> int:
     try:
         args.variants = parse_variants(args.variant, policies)
     except ValueError as e:
-        print(f"superinfer bench experiment: error: {e}", file=sys.stderr)
+        print(f"python -m experiments policies: error: {e}", file=sys.stderr)
         return 2
     policies += list(args.variants)
     rows: list[dict[str, Any]] = []
     t_start = time.monotonic()
     if args.repeats < 1:
-        print("superinfer bench experiment: error: --repeats must be >= 1", file=sys.stderr)
+        print("python -m experiments policies: error: --repeats must be >= 1", file=sys.stderr)
         return 2
     passes = pass_order(policies, args.rates.split(","), args.interleave, args.repeats)
     for policy, rates, round_ in passes:
@@ -514,7 +514,7 @@ def _run(args: argparse.Namespace) -> int:
     rated = [r for r in rows if r["rps"] is not None]  # the claims and the plot need rates
     means = mean_rows(rated) if args.repeats > 1 else rated
     claims = check_claims(means, args.variants, args.saturation)
-    verdict, pareto = claims["claim"], claims["claim_issue18"]
+    verdict, pareto = claims["ttft_gain_claim"], claims["pareto_claim"]
     rounds = claims_per_round(rated, args.variants, args.saturation) if args.repeats > 1 else None
     summary = {"command": command, "config": vars(args), "machine": facts,
                "wall_s": round(time.monotonic() - t_start, 1), "results": rows,
@@ -526,11 +526,11 @@ def _run(args: argparse.Namespace) -> int:
     mean_text = table(MEAN_TABLE, [[_cell(r.get(k)) for k in MEAN_TABLE] for r in means]
                       ) if rounds else ""
     held = [] if rounds is None else [
-        f"Rounds the claims held in, of {rounds['rounds']}: issue #7 "
-        f"{_rounds(rounds['claim_held_in_rounds'])}, issue #18 "
-        f"{_rounds(rounds['claim_issue18_held_in_rounds'])}"
+        f"Rounds the claims held in, of {rounds['rounds']}: TTFT gain "
+        f"{_rounds(rounds['ttft_gain_claim_held_in_rounds'])}, Pareto "
+        f"{_rounds(rounds['pareto_claim_held_in_rounds'])}"
         + "".join(f", {label} in lvf's place {_rounds(ks)}" for label, ks in
-                  rounds["claim_issue18_variants_held_in_rounds"].items())]
+                  rounds["pareto_claim_variants_held_in_rounds"].items())]
     misses = [f"{r['policy']} @ {'inf' if r['rps'] is None else format(r['rps'], 'g')}"
               + (f" round {r['repeat']}" if "repeat" in r else "") + f": {line}"
               for r in rows for line in format_misses(r)]
@@ -544,10 +544,10 @@ def _run(args: argparse.Namespace) -> int:
           *([f"Mean over the {args.repeats} passes of each (policy, rate); the claims below "
              "are checked on these:", "", "```", mean_text, "```", "", *held, ""] if rounds
             else []),
-          f"Claim check (issue #7): `{json.dumps(verdict)}`", "",
-          f"Claim check (issue #18): `{json.dumps(pareto)}`", "",
-          *(f"Claim check (issue #18), {label} in lvf's place: `{json.dumps(c)}`\n"
-            for label, c in claims["claim_issue18_variants"].items()),
+          f"Claim check (TTFT gain): `{json.dumps(verdict)}`", "",
+          f"Claim check (Pareto): `{json.dumps(pareto)}`", "",
+          *(f"Claim check (Pareto), {label} in lvf's place: `{json.dumps(c)}`\n"
+            for label, c in claims["pareto_claim_variants"].items()),
           "Where the missed requests' time went (the server's /metrics, per pass):", "",
           "```", *misses, "```", ""]
     (out / "table.md").write_text("\n".join(md))
@@ -562,9 +562,9 @@ def _run(args: argparse.Namespace) -> int:
         print(mean_text)
         print("\n".join(held))
     print("\n".join(misses))
-    print(f"claim (issue #7): {json.dumps(verdict)}")
-    print(f"claim (issue #18): {json.dumps(pareto)}")
-    for label, c in claims["claim_issue18_variants"].items():
-        print(f"claim (issue #18), {label} in lvf's place: {json.dumps(c)}")
+    print(f"claim (TTFT gain): {json.dumps(verdict)}")
+    print(f"claim (Pareto): {json.dumps(pareto)}")
+    for label, c in claims["pareto_claim_variants"].items():
+        print(f"claim (Pareto), {label} in lvf's place: {json.dumps(c)}")
     print(f"wrote {out}/results.json, table.md, attainment.png ({summary['wall_s']} s)")
     return 0

@@ -1,4 +1,4 @@
-"""`superinfer bench prefix-cache`: prefix caching on vs off on the real stack, same load.
+"""`python -m experiments prefix-cache`: prefix caching on vs off on the real stack, same load.
 
 For each scenario, rate and repeat it starts `superinfer serve` (the bundled model, every
 service its own process) once with `--enable-prefix-caching` and once with
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from superinfer.bench.experiment import Stack, machine_facts
+from experiments.policies import Stack, machine_facts
 from superinfer.bench.report import table
 
 SCENARIOS: dict[str, dict[str, Any]] = {
@@ -72,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft-slo", type=float, default=10.0)
     p.add_argument("--tbt-slo", type=float, default=0.3)
     p.add_argument("--startup-timeout", type=float, default=300.0)
-    p.add_argument("--out", default="docs/results/prefix_cache",
+    p.add_argument("--out", default=".experiments/prefix_cache",
                    help="directory for results.json, table.md and each pass's bench output")
     p.add_argument("--report", action="store_true",
                    help="run nothing: summarize the passes already in --out (a run cut short "
@@ -299,6 +299,6 @@ def run(args: argparse.Namespace) -> int:
                         {"machine": facts, "args": {k: v for k, v in vars(args).items()
                                                     if k != "func"}, "passes": passes,
                          "summary": summarize(passes)}, indent=1))
-    (out / "command.txt").write_text(" ".join(["superinfer", "bench", "prefix-cache",
-                                               *sys.argv[3:]]) + "\n")
+    (out / "command.txt").write_text(" ".join(["python", "-m", "experiments", "prefix-cache",
+                                               *sys.argv[2:]]) + "\n")
     return report(out)

@@ -1,4 +1,4 @@
-"""`superinfer bench quality`: how close each executor format stays to float32.
+"""`python -m experiments quality`: how close each executor format stays to float32.
 
 For every format this machine runs (worker/formats.py): perplexity on the text the
 project ships (worker/data, public domain), its change against float32's (`--dtype auto`
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     names = args.formats.split(",") if args.formats else list(FORMATS)
     unknown = [n for n in names if n not in FORMATS]
     if unknown:
-        print(f"superinfer bench quality: unknown formats {unknown}; choose from {list(FORMATS)}")
+        print(f"python -m experiments quality: unknown formats {unknown}; choose from {list(FORMATS)}")
         return 2
     runnable = [n for n in names if not caps.missing(FORMATS[n])]
     skipped = {n: caps.missing(FORMATS[n]) for n in names if n not in runnable}

@@ -1,6 +1,6 @@
 """A lean streaming client for the benchmarks that share the machine with the server.
 
-`bench overhead` and `bench pipeline` run their client on the same 2 cores as the
+The overhead and pipeline studies run their client on the same 2 cores as the
 gateway, scheduler and worker, so whatever CPU the client burns per SSE event is taken
 from the forward pass and shows up as serving overhead that a real (remote) client would
 not cause. httpx spends ~0.3 CPU-s per 2048 events here (py-spy: its anyio cancel scopes,

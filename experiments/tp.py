@@ -1,4 +1,4 @@
-"""`superinfer bench tp`: decode throughput of tensor parallel (worker/tp.py) vs one rank.
+"""`python -m experiments tp`: decode throughput of tensor parallel (worker/tp.py) vs one rank.
 
 A synthetic Llama (random, seed-fixed, built with transformers' LlamaConfig and saved as a
 Hugging Face directory: nothing is downloaded) is run three ways, fp32, on the plain-torch
@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
           + ", ".join(f"{k} {v:.2f} s" for k, v in idle.items()))
     c = whole.full
     write_json(args.json, {
-        "command": " ".join(["superinfer", "bench", "tp", *sys.argv[3:]]),
+        "command": " ".join(["python", "-m", "experiments", "tp", *sys.argv[2:]]),
         "model": {"hidden": c.hidden_size, "heads": c.num_heads, "kv_heads": c.num_kv_heads,
                   "layers": c.num_layers, "intermediate": c.intermediate_size,
                   "vocab": c.vocab_size, "dtype": "float32"},

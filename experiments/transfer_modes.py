@@ -1,7 +1,7 @@
-"""`superinfer bench transfer-modes`: time spent waiting on KV transfers, per DuplexKV mode.
+"""`python -m experiments transfer-modes`: time spent waiting on KV transfers, per DuplexKV mode.
 
 `bench transfer` times the copy engine alone. This runs the real services under rotation
-pressure once per mode (`superinfer bench experiment --policies lvf --serve-args
+pressure once per mode (`python -m experiments policies --policies lvf --serve-args
 '--transfer-mode MODE'`: the bundled model, a small device pool, one rate) and reads the
 scheduler's own counters from each pass's /metrics deltas: how long the loop waited on
 transfer batches per iteration, how long kvmem itself copied, and the bytes moved. Writes
@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per mode")
     p.add_argument("--device-blocks", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="docs/results/transfer_modes")
+    p.add_argument("--out", default=".experiments/transfer_modes")
     p.add_argument("--json", default=None, help="also write the rows here")
 
 
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"unknown mode {mode!r}; choose from {', '.join(MODES)}", file=sys.stderr)
             return 2
         mode_dir = out / mode
-        cmd = [sys.executable, "-m", "superinfer.cli", "bench", "experiment", "--policies", "lvf",
+        cmd = [sys.executable, "-m", "experiments", "policies", "--policies", "lvf",
                "--rates", str(args.rate), "--duration", str(args.duration),
                "--device-blocks", str(args.device_blocks), "--seed", str(args.seed),
                "--serve-args", f"--transfer-mode {mode}", "--out", str(mode_dir)]
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         result = json.loads((mode_dir / "results.json").read_text())
         rows.append(summarize(mode, result["results"][0]))
-    command = shlex.join(["superinfer", "bench", "transfer-modes", *sys.argv[3:]])
+    command = shlex.join(["python", "-m", "experiments", "transfer-modes", *sys.argv[2:]])
     text = table(COLUMNS, [[_cell(r[c]) for c in COLUMNS] for r in rows])
     print(text)
     payload = {"command": command, "rows": rows}

@@ -18,6 +18,8 @@ import grpc
 import structlog
 
 from common.errors import SuperInferError
+from common.generation_defaults import GenerationDefaults
+from common.generation_defaults import resolve as resolve_defaults
 from common.modelfile import ModelKind, ModelSource
 from common.tokenizer import Tokenizer
 from gateway.errors import APIError, from_grpc, unavailable
@@ -62,6 +64,7 @@ class ModelState:
     served_name: str
     max_model_len: int
     vocab_size: int
+    defaults: GenerationDefaults  # for the sampling fields a request leaves unset
 
 
 class SchedulerBackend:
@@ -72,8 +75,10 @@ class SchedulerBackend:
         served_model_name: str | None = None,
         rpc_timeout_s: float = 5.0,
         generate_timeout_s: float | None = None,
+        generation_config: str = "auto",
     ) -> None:
         self.address = address
+        self.generation_config = generation_config
         self.served_model_name = served_model_name
         self.rpc_timeout_s = rpc_timeout_s
         self.generate_timeout_s = generate_timeout_s
@@ -117,16 +122,19 @@ class SchedulerBackend:
         async with self._model_lock:
             if self._model is None:
                 info = await self.model_info()
-                tokenizer = await asyncio.to_thread(_load_tokenizer, info)
+                tokenizer, defaults = await asyncio.to_thread(
+                    _load_model_files, info, self.generation_config)
                 self._model = ModelState(
                     info=info,
                     tokenizer=tokenizer,
                     served_name=self.served_model_name or info.name,
                     max_model_len=info.max_model_len,
                     vocab_size=info.vocab_size or tokenizer.vocab_size,
+                    defaults=defaults,
                 )
                 log.info("model ready", model=self._model.served_name,
-                         max_model_len=info.max_model_len, source=info.source_path)
+                         max_model_len=info.max_model_len, source=info.source_path,
+                         generation_defaults=defaults.as_dict())
         return self._model
 
     @property
@@ -232,7 +240,8 @@ class SchedulerBackend:
         task.add_done_callback(self._background.discard)
 
 
-def _load_tokenizer(info: scheduler_pb2.ModelInfo) -> Tokenizer:
+def _load_model_files(info: scheduler_pb2.ModelInfo,
+                     generation_config: str) -> tuple[Tokenizer, GenerationDefaults]:
     if info.source_kind not in ("gguf", "hf") or not info.source_path:
         raise APIError(
             500,
@@ -243,6 +252,6 @@ def _load_tokenizer(info: scheduler_pb2.ModelInfo) -> Tokenizer:
     kind: ModelKind = "gguf" if info.source_kind == "gguf" else "hf"
     source = ModelSource(kind=kind, path=Path(info.source_path), name=info.name)
     try:
-        return Tokenizer.from_source(source)
+        return Tokenizer.from_source(source), resolve_defaults(generation_config, source)
     except SuperInferError as e:
-        raise APIError(500, f"cannot load the tokenizer: {e.message}", code=e.code) from e
+        raise APIError(500, f"cannot load the model's files: {e.message}", code=e.code) from e

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from common.generation_defaults import check_mode
 from gateway.backend import ModelState, SchedulerBackend
 from gateway.errors import APIError
 from gateway.generation import ActiveRequests, Generation
@@ -24,8 +25,10 @@ class GatewaySettings:
     request_timeout_s: float | None = None  # deadline of one Generate stream; None: none
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT  # REST /v1/* and client gRPC together; 0: none
+    generation_config: str = "auto"  # unset sampling fields: common/generation_defaults.py
 
     def __post_init__(self) -> None:
+        check_mode(self.generation_config)
         if self.max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be at least 1, got {self.max_body_bytes}")
         if self.max_in_flight < 0:
@@ -48,6 +51,7 @@ class GatewayContext:
             served_model_name=settings.served_model_name,
             rpc_timeout_s=settings.rpc_timeout_s,
             generate_timeout_s=settings.request_timeout_s,
+            generation_config=settings.generation_config,
         )
         return cls(settings=settings, backend=backend,
                    in_flight=InFlightLimit(settings.max_in_flight))

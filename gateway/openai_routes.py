@@ -41,7 +41,8 @@ def _ctx(request: Request) -> GatewayContext:
 async def list_models(request: Request) -> s.ModelList:
     ctx = _ctx(request)
     model = await ctx.backend.model()
-    card = s.ModelCard(id=model.served_name, created=ctx.started, max_model_len=model.max_model_len)
+    card = s.ModelCard(id=model.served_name, created=ctx.started, max_model_len=model.max_model_len,
+                       generation_defaults=model.defaults.as_dict())
     return s.ModelList(data=[card])
 
 
@@ -125,7 +126,7 @@ def _generation(
             grammar_param=grammar[0] if grammar else "response_format",
         ),
         prompt_len=len(ids), max_model_len=model.max_model_len, prompt_param=prompt_param,
-        vocab_size=model.vocab_size,
+        vocab_size=model.vocab_size, defaults=model.defaults,
     )
     return ctx.generation(
         model, request_id=request.state.request_id, prompt_ids=ids, sampling=sampling,

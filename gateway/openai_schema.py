@@ -500,6 +500,8 @@ class ModelCard(_Response):
     created: int
     owned_by: str = "superinfer"
     max_model_len: int  # vLLM's extra field; clients use it to size prompts
+    # What a request's unset sampling fields become (--generation-config), and from where
+    generation_defaults: dict[str, Any] | None = None
 
 
 class ModelList(_Response):

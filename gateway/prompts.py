@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from common.contracts import Grammar
 from common.errors import SuperInferError
+from common.generation_defaults import GenerationDefaults
 from common.grammar import GrammarError, check
 from common.tokenizer import Tokenizer
 from common.wire import grammar_to_proto
@@ -112,9 +113,11 @@ def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer,
 
 def sampling_params(
     s: Sampling, *, prompt_len: int, max_model_len: int, prompt_param: str = "prompt",
-    vocab_size: int | None = None,
+    vocab_size: int | None = None, defaults: GenerationDefaults | None = None,
 ) -> common_pb2.SamplingParams:
-    """OpenAI defaults (temperature 1, top_p 1) and max_tokens up to the context limit."""
+    """Unset fields from `defaults` (the model's, `--generation-config`; OpenAI's where
+    None: temperature 1, top_p 1) and max_tokens up to the context limit."""
+    d = defaults or GenerationDefaults()
     room = max_model_len - prompt_len
     if room < 1:
         raise APIError(
@@ -136,13 +139,13 @@ def sampling_params(
             param="max_tokens",
             code="context_length_exceeded",
         )
-    temperature = 1.0 if s.temperature is None else s.temperature
-    top_p = 1.0 if s.top_p is None else s.top_p
+    temperature = d.temperature if s.temperature is None else s.temperature
+    top_p = d.top_p if s.top_p is None else s.top_p
     if not 0.0 <= temperature <= 100.0:
         raise invalid(f"temperature must be in [0, 100], got {temperature}", param="temperature")
     if not 0.0 < top_p <= 1.0:
         raise invalid(f"top_p must be in (0, 1], got {top_p}", param="top_p")
-    top_k = s.top_k or 0
+    top_k = d.top_k if s.top_k is None else s.top_k
     if top_k < -1:
         raise invalid(f"top_k must be -1, 0 (off) or positive, got {top_k}", param="top_k")
     params = common_pb2.SamplingParams(
@@ -154,11 +157,12 @@ def sampling_params(
     )
     if s.seed is not None:
         params.seed = s.seed
-    _extras(s, params, vocab_size)
+    _extras(s, params, vocab_size, d.repetition_penalty)
     return params
 
 
-def _extras(s: Sampling, params: common_pb2.SamplingParams, vocab_size: int | None) -> None:
+def _extras(s: Sampling, params: common_pb2.SamplingParams, vocab_size: int | None,
+            default_repetition_penalty: float = 1.0) -> None:
     """Penalties, logit bias, logprobs and grammar, checked with messages naming the field
     (the REST schema checks the same ranges; the gRPC API arrives here unchecked)."""
     for name in ("presence_penalty", "frequency_penalty"):
@@ -170,7 +174,7 @@ def _extras(s: Sampling, params: common_pb2.SamplingParams, vocab_size: int | No
                       param="repetition_penalty")
     params.presence_penalty = s.presence_penalty or 0.0
     params.frequency_penalty = s.frequency_penalty or 0.0
-    params.repetition_penalty = s.repetition_penalty or 1.0
+    params.repetition_penalty = s.repetition_penalty or default_repetition_penalty
     bias = s.logit_bias or {}
     if len(bias) > MAX_LOGIT_BIAS:
         raise invalid(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}",

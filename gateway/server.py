@@ -41,6 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "RESOURCE_EXHAUSTED (0: no limit)")
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body; past it 413")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="sampling for the fields a request leaves unset: the model's own "
+                        "(auto: its file's metadata or generation_config.json, else its "
+                        "authors' published settings), OpenAI's (vllm: temperature 1, "
+                        "top_p 1), or a folder's generation_config.json")
     g.add_argument("--rpc-timeout", type=float, default=5.0,
                    help="deadline of unary scheduler calls, seconds")
     g.add_argument("--request-timeout", type=float, default=None,
@@ -58,6 +63,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         request_timeout_s=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
         max_in_flight=args.max_in_flight,
+        generation_config=args.generation_config,
     )
 
 

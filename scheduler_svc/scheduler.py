@@ -463,9 +463,9 @@ class Scheduler:
     # SLO: the rate is then known to ~25 % (which lazy_margin covers), and seats free up
     # often enough to wait for. The CPU stack at 0.546 req/s (~3 finishes per 10 s) always
     # rotates as LVF did: there, lazy rotation measured 69 % TTFT against 82 % in
-    # back-to-back real-stack passes (docs/sim/issue18/README.md). At 1.5x its saturation
+    # back-to-back real-stack passes (docs/results/rotasched/). At 1.5x its saturation
     # today (4.32 req/s, ~26 finishes per 10 s) lazy rotation is on there too
-    # (docs/sim/issue18/real_stack, split_1204).
+    # (docs/results/rotasched/).
     LAZY_MIN_FINISHES = 16
     # A parked request coming back early leaves room for growth until the next finish
     # only where at least this many finished within its TTFT SLO: fewer (a run's first
@@ -482,7 +482,7 @@ class Scheduler:
 
         A rotation costs its victim a stalled gap, parked seconds; rotating for a candidate
         with seconds of slack, that seats would have freed for anyway, only costs gaps.
-        Measured in the simulator (docs/sim/issue18): LVF rotated for candidates at their
+        Measured in the simulator (docs/results/rotasched/): LVF rotated for candidates at their
         arrival (p50 TTFT 0.2-0.4 s against a 5 s SLO) and missed ~1 gap per rotation,
         while waiting-first, rotating later, kept 99.9 % of gaps at gh200 defaults. The
         wait is a mean: a candidate also keeps `lazy_margin` of its TTFT SLO to spare (at
@@ -507,7 +507,7 @@ class Scheduler:
         own deadline then asked for the next (measured on the real stack at 1.5x
         saturation: every rotation past the first seconds came from a parked request 7-10
         places back, and LVF parked 56-81 requests for seconds while its p99 TTFT stayed
-        at 3.7-5 s of a 10 s SLO; docs/sim/issue18/real_stack, 2026-12-03). A parked
+        at 3.7-5 s of a 10 s SLO; docs/results/rotasched/). A parked
         request comes back as its VLT rises, or into free blocks.
 
         Where no rotation is needed, the same estimate says how many more seats the new
@@ -525,7 +525,7 @@ class Scheduler:
         rotate, except that a parked one, as above, does not trigger rotation: it preempts
         only once its slack is under `lazy_margin` of its TTFT SLO (`parked_within_s`), and
         until then comes back into free blocks. Measured on the real stack with long chat
-        replies (docs/sim/issue18/real_stack/unknown_1205: 100 requests at 0.855 req/s,
+        replies (docs/results/rotasched/: 100 requests at 0.855 req/s,
         ~7 finishes per 10 s SLO): 203 of LVF's 315 rotations were a parked request taking
         the seat of a running one with more slack, which a rotation later took back, one
         missed gap each; waiting-first rotated 106 times and beat LVF's per-gap TBT.
@@ -536,7 +536,7 @@ class Scheduler:
         running set grew into the blocks a resume had just taken, and a growth
         preemption parked someone else, one missed gap
         each (the same passes: 78-168 growth preemptions against waiting-first's 55-79).
-        With it (real_stack/headroom_1205, seed 11, 1.5x and 2x): 21 and 21 growth
+        With it (the real stack, seed 11, 1.5x and 2x): 21 and 21 growth
         preemptions against 82 and 22 without and waiting-first's 64 and 65; per-gap TBT
         99.70 / 99.65 % against 99.36 / 99.68 and waiting-first's 99.50 / 99.49; seeds 12
         and 13: 38-54 against waiting-first's 79-117, per-gap TBT 99.54-99.64 against
@@ -545,7 +545,7 @@ class Scheduler:
         arrivals stopped, its output tokens per second fell under the baselines', and its
         makespan, which vLLM's goodput divides by, grew (seed 15 at 1.5x: 132 tok/s against
         156-159, 52.8 s past the last arrival against 22-25, goodput 0.557 against
-        waiting-first's 0.624). Half of it (docs/sim/issue18/README.md, "Half the room to
+        waiting-first's 0.624). Half of it (docs/results/rotasched/, "Half the room to
         grow"): in the CPU twin's replay of ten real passes, goodput +2.4-7 % in every cell,
         the claim in 10 of 10 (a quarter: 8; none: LVF's per-gap TBT fell under
         waiting-first's); on the real stack 0.628 against 0.587 in that cell, where the
@@ -707,7 +707,7 @@ class Scheduler:
             else:
                 # As many victims as q's seat takes: the seat limit can drop below the
                 # running count (a slower batch, more prefill demand), and one victim then
-                # seated nobody, a batch after batch (measured, docs/sim/issue18).
+                # seated nobody, a batch after batch (measured, docs/results/rotasched/).
                 seats = len(self.running) - self._seat_limit + 1
                 chosen = self._pick_victims(q, need, swaps_in, cost, victims, plan, seats)
             if chosen is None:

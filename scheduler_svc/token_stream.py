@@ -6,7 +6,7 @@ every request that one gateway submitted, and each publish of the serving loop (
 iteration's output, an abort) becomes a single `TokenBatch` on it: one message and one
 wake-up per iteration, whatever the number of streams. On a 2-core machine, the CPU that
 per-request messages burn in the scheduler and the gateway is taken from the worker's
-forward (docs/results/pipeline16/README.md).
+forward (docs/results/pipeline/).
 """
 
 from __future__ import annotations

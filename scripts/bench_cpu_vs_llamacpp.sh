@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# SuperInfer vs llama.cpp on the CPU, one run, interleaved (issue #15's table):
+# SuperInfer vs llama.cpp on the CPU, one run, interleaved:
 # starts llama-server and `superinfer serve` (default flags) on the bundled GGUF, then
 # `superinfer bench serve --baseline-url` at 1, 8 and 32 streams; prints the table and
 # writes $OUT/result.json and $OUT/result.png. Stops both servers at the end.
@@ -7,14 +7,14 @@
 #   LLAMA_SERVER=$(/work/shared/tools/llama-server) scripts/bench_cpu_vs_llamacpp.sh [bench args]
 #
 # LLAMA_SERVER: the llama-server binary (default: ~/.cache/superinfer-anchors/llama-server,
-# where ../shared/tools/llama-server builds it). OUT: default docs/results/cpu_vs_llamacpp.
+# where ../shared/tools/llama-server builds it). OUT: default .experiments/cpu_vs_llamacpp.
 # Extra arguments go to `superinfer bench serve` (e.g. --repeats 3 --streams 1,8).
 # Wrap it in `flock /work/bench.lock` where several benchmarks share a machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 LLAMA_SERVER=${LLAMA_SERVER:-$HOME/.cache/superinfer-anchors/llama-server}
-OUT=${OUT:-docs/results/cpu_vs_llamacpp}
+OUT=${OUT:-.experiments/cpu_vs_llamacpp}
 LPORT=${LLAMA_PORT:-8090}
 SPORT=${SUPERINFER_PORT:-18000}  # + 50..53 for its gRPC services (not the defaults: other stacks)
 [ -x "$LLAMA_SERVER" ] || { echo "no llama-server at $LLAMA_SERVER (build it: ../shared/tools/llama-server)" >&2; exit 2; }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issues #5 and #17 in one short run, for a session lent a GPU machine
+# The GPU checks (the transfer engine's and the CUDA worker's) in one short run, for a session lent a GPU machine
 # (the `device` tool's `run`). That machine reaches no package index; it has torch, CUDA,
 # Triton, cupy-cuda13x, tokenizers and transformers, not the few wheels below, which travel
 # in .whl/. The bundled model (98 MB) is more than one call may carry (64 MiB), so it travels

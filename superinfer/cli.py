@@ -87,7 +87,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_generate)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The whole command line; `argv`, where given, lets a subcommand that is not chosen
+    skip importing its modules (a service process must stay light)."""
     parser = argparse.ArgumentParser(
         prog="superinfer",
         description="SuperInfer: SLO-aware LLM serving that rotates KV between device and host",
@@ -96,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     from superinfer import bench_cli
 
-    bench_cli.add_parser(sub)
+    bench_cli.add_parser(sub, argv)
     from superinfer.sim import cli as sim_cli
 
     sim_cli.add_parser(sub)
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         from superinfer.probes import health_main
 
         return health_main(argv[1:])
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     from common.logging import configure_logging
 

@@ -19,6 +19,7 @@ from types import FrameType, ModuleType
 
 from common.config import EngineConfig
 from common.daemon import add_daemon_arguments
+from common.generation_defaults import check_mode
 from common.logging import configure_logging
 from superinfer.probes import (
     HEALTH_HELP,
@@ -139,6 +140,10 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                    help="requests the gateway handles at once; past it 429 (default 1024)")
     g.add_argument("--max-body-bytes", type=int, default=None,
                    help="largest request body; past it 413 (default 4 MiB)")
+    g.add_argument("--generation-config", default=None, metavar="auto|vllm|FOLDER",
+                   help="sampling for the fields a request leaves unset: the model's own "
+                        "(auto, default), OpenAI's (vllm), or a folder's "
+                        "generation_config.json")
     _add_kvmem_flags(p)  # handed to kvmem by name
     s = p.add_argument_group("services (listen on 127.0.0.1)")
     s.add_argument("--scheduler-port", type=int, default=PORTS["scheduler"])
@@ -249,6 +254,8 @@ def check_tensor_parallel(args: argparse.Namespace) -> str | None:
 def _serve(args: argparse.Namespace) -> int:
     try:
         EngineConfig.from_args(args)  # flag errors here, not in a child's log
+        if args.generation_config is not None:
+            check_mode(args.generation_config)
     except ValueError as e:
         print(f"superinfer serve: error: {e}", file=sys.stderr)
         return 2

@@ -119,7 +119,7 @@ class SLOClass:
             raise WorkloadError(f"SLO class {self.name}: share must be positive, got {self.share}")
 
 
-# Named mixes for --slo-classes. "mixed": the interactive/batch split of issue #18.
+# Named mixes for --slo-classes. "mixed": an interactive and a batch class, half each.
 SLO_MIXES: dict[str, tuple[SLOClass, ...]] = {
     "mixed": (SLOClass("interactive", 1.0, 0.05, 0.5), SLOClass("batch", 20.0, 0.5, 0.5)),
 }

@@ -62,7 +62,7 @@ def test_verdicts_and_transfer_merge(tmp_path: Path) -> None:
     assert rows["8B decode, batch 1: share of roofline"] == "yes"
     assert rows["qwen2.5-32b: block first vs raw h2d"] == "NO"
     assert rows["qwen2.5-32b: layer first slowdown"] == "yes"
-    assert not any(k.startswith("smollm2") for k in rows)  # 64 KiB blocks: not the issue's
+    assert not any(k.startswith("smollm2") for k in rows)  # 64 KiB blocks: not the goals'
     assert rows["kill -9 under load: streams exact"] == "yes"
 
 

@@ -1,4 +1,4 @@
-"""Worker kill -9 under load on the GPU (issue #17): the four services with `--device cuda`.
+"""Worker kill -9 under load on the GPU: the four services with `--device cuda`.
 
 The worker's pool is a GPU tensor that kvmem maps through a CUDA IPC handle; killing the
 worker frees it, the restarted worker makes a new pool with a new handle, kvmem re-attaches

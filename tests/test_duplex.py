@@ -629,7 +629,7 @@ def test_gpu_directions_overlap_on_two_streams() -> None:
 
 @pytest.mark.gpu
 def test_gpu_bench_transfer_against_the_link(tmp_path: Path) -> None:
-    """Issue #5's GPU goals, measured: block-first >= 90 % of one-way link bandwidth,
+    """The transfer engine's GPU goals, measured: block-first >= 90 % of one-way link bandwidth,
     duplex >= 1.7x one direction (printed; asserted loosely, a shared GPU is noisy)."""
     from superinfer.bench import transfer
 

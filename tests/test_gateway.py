@@ -661,11 +661,11 @@ def test_kvmem_runs_with_the_non_temporal_copy_threshold(stack: Stack) -> None:
 
 
 def test_the_benchmarks_lean_client_reads_what_httpx_reads(stack: Stack) -> None:
-    """bench overhead / bench pipeline stream with superinfer/bench/sse_client.py (least CPU
+    """The overhead and pipeline studies stream with experiments/sse_client.py (least CPU
     taken from the server beside it): the same token counts and first tokens as httpx, and
     a refused request fails with the gateway's status."""
-    from superinfer.bench.serve_overhead import _served_once
-    from superinfer.bench.sse_client import stream_post
+    from experiments.overhead import _served_once
+    from experiments.sse_client import stream_post
 
     prompts = PLAIN_PROMPTS[:3]
     lean = asyncio.run(_served_once(stack.http_url, prompts, 7, "lean"))

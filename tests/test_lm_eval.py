@@ -41,7 +41,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]
            "--port", str(port), "--grpc-port", str(free_port()), "--run-dir", str(run_dir),
            "--device-blocks", "256", "--host-blocks", "256", "--max-restarts", "0",
            # fp32 weights, as the hf backend's: the comparison is of the serving surface
-           # (the quantized formats' quality is bench quality's business)
+           # (the quantized formats' quality: `python -m experiments quality`)
            "--dtype", "float32"]
     log = (run_dir / "serve.log").open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,

@@ -419,7 +419,7 @@ def test_lvf_stops_skipping_a_new_request_that_lags_past_hold_vlt() -> None:
 @pytest.mark.parametrize("memory_margin", [0.0, 1.0, 6.0])
 def test_lvf_rotates_out_to_free_a_seat(memory_margin: float) -> None:
     """Seats bind before memory (max_num_seqs 2, a pool of 100 blocks): LVF leaves plain FCFS
-    all the same and rotates a running request out for a lagging new one (issue #18: with
+    all the same and rotates a running request out for a lagging new one (with
     the engine's 256 seats LVF used to stay inert whenever memory was not short). The seat
     is held by max_num_seqs, not by the iteration-time budget: with memory_margin the new
     request must lag the victim by that much more (here it lags by 1 lag unit: 1 is not
@@ -695,7 +695,7 @@ def test_lvf_refiles_its_queues_when_the_batch_time_moves() -> None:
 def test_a_prompt_chunk_leaves_a_token_for_each_decode_behind_it() -> None:
     """LVF orders a request that is still prefilling before decodes that lead their pace.
     Its chunk may take the budget only down to one token per running request after it:
-    a decode left out of the batch misses its gap (docs/sim/issue18/README.md, 2026-12-02)."""
+    a decode left out of the batch misses its gap (docs/results/rotasched/)."""
     t = [0.0]
     s = Scheduler(SchedulerConfig(num_device_blocks=16, num_host_blocks=64, block_size=4,
                                   max_batched_tokens=8, eager_budget_blocks=0),
@@ -721,7 +721,7 @@ def test_max_stall_caps_a_parked_streams_slack_but_never_makes_it_late() -> None
     """The CPU stack's case (S_B 10 s, S_F 0.3 s, 20 ms iterations): a request parked 16
     tokens into 64, streamed at 20 ms, keeps 13 s of catch-up past its due time, so without
     a bound new requests outrank it for that long (measured: 16-18 s stalls per pass,
-    docs/sim/issue18/real_stack). With max_stall m its slack counts only until m·S_B after
+    docs/results/rotasched/). With max_stall m its slack counts only until m·S_B after
     its last token; whether it is late still follows its deadline."""
     from scheduler_svc.policy.vlt import lag_anchor
 
@@ -895,13 +895,3 @@ def test_with_the_stall_bound_late_parked_requests_leave_their_run_from_any_plac
         lazy = [r.request_id for r in _merge(runs, lvf.merge_key, 100.0)]
         plain = [r.request_id for r in lvf.candidates(waiting.list(), rotary.list(), 100.0)]
         assert lazy == plain
-
-
-def test_the_decision_cost_bench_runs_lvf_with_and_without_the_stall_bound() -> None:
-    """`superinfer bench sched --max-stall` (the cost docs/sim/issue18/README.md quotes):
-    both variants reach a steady state with requests running, waiting and rotating."""
-    from superinfer.bench.sched import measure
-
-    for stall in (None, 0.25):
-        r = measure(300, "lvf", iterations=3, max_stall=stall)
-        assert r["running"] > 0 and r["waiting"] + r["rotary"] > 0 and r["rotations"] > 0

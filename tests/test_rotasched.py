@@ -1,4 +1,4 @@
-"""RotaSched's issue-#18 behaviour: iteration-time-aware admission, the free-block watermark,
+"""RotaSched's behaviour under overload: iteration-time-aware admission, the free-block watermark,
 SLO-miss attribution, vLLM's goodput, SLO classes, and the α/β directions of DESIGN §4.
 
 The simulator runs are small (gh200-96gb + Qwen2.5-32B, 30 s of arrivals, seed 0), each a
@@ -237,8 +237,7 @@ def test_where_too_few_finish_a_parked_request_preempts_only_near_its_deadline()
     seats): the third takes a seat at once, and the request it parked comes back only
     once its slack is under lazy_margin (0.25) of its 5 s TTFT SLO. Before, it took back
     the seat of the running request with more slack, which then took it back in turn: on
-    the real stack two thirds of LVF's rotations (docs/sim/issue18/real_stack/
-    unknown_1205)."""
+    the real stack two thirds of LVF's rotations (docs/results/rotasched/)."""
     clock = [0.0]
     sched = Scheduler(SchedulerConfig(num_device_blocks=128, num_host_blocks=256, block_size=4,
                                       max_num_seqs=2, pipelined=False),
@@ -275,7 +274,7 @@ def test_a_parked_request_not_yet_due_comes_back_only_where_the_running_can_grow
     stay parked (one preempts once its slack is under lazy_margin); at ~7 a second one
     comes back. Before, one came back at once, and on the real stack the running
     requests' growth then parked one of them: LVF's growth preemptions were 1-2x
-    waiting-first's (docs/sim/issue18/README.md). Under 4 finishes in the SLO (~1 a
+    waiting-first's (docs/results/rotasched/). Under 4 finishes in the SLO (~1 a
     second: a run's first seconds) the rate is not trusted, and it comes back as before.
     `growth_room` keeps that share of the growth: at a half, the room at ~2.5 finishes a
     second fits beside it, and it comes back."""
@@ -525,7 +524,7 @@ def test_lvf_frees_every_seat_a_candidate_needs_when_the_seat_limit_drops(
     seats are left for decodes. The new request, which may preempt them, is seated at once:
     LVF rotates out the two it takes, not one a batch while nobody is admitted (it did
     that in the simulator's mixed-SLO run at gh200 artifact settings, for seconds, while
-    interactive requests went late with thousands of blocks free: docs/sim/issue18).
+    interactive requests went late with thousands of blocks free: docs/results/rotasched/).
     The iteration-time budget holds these seats, so memory_margin does not apply."""
     clock = [0.0]
     cost = PerToken(1e-5)
@@ -652,7 +651,7 @@ def test_lvf_serves_the_earliest_ttft_deadline_first_while_everything_fits() -> 
     budget first, its deadline being earlier; with one SLO class this is arrival order.
     (In arrival order the simulator's mixed-SLO run, gh200 artifact settings at 20 req/s,
     gave batch-class prompts that had waited 2 s the budget while interactive ones went
-    late: docs/sim/issue18.)"""
+    late: docs/results/rotasched/.)"""
     sched, clock, batch, inter = _batch_and_interactive(0.6, 64, inter_arrival=0.5)
     sched.add_request(batch)
     sched.add_request(inter)
@@ -675,7 +674,7 @@ def test_lvf_ranks_slo_classes_by_slack_in_seconds_when_memory_is_short() -> Non
     one unit, the longest live TTFT SLO, the interactive prompt is prefilled first. (In
     each request's own SLO the batch one went first; in the simulator's mixed-SLO run,
     gh200 artifact settings at 20 req/s, two interactive requests then missed their TTFT
-    deadline behind batch-class prompts with seconds to spare: docs/sim/issue18.)"""
+    deadline behind batch-class prompts with seconds to spare: docs/results/rotasched/.)"""
     sched, _, batch, inter = _batch_and_interactive(13.0, 8, inter_arrival=12.6)
     sched.add_request(batch)
     assert sched.policy.lag_unit_s is None  # one class: each request's own SLO
@@ -712,7 +711,7 @@ def test_slo_classes_parse_and_each_request_carries_its_own() -> None:
 def _metrics(variant: str) -> SLOMetrics:
     hw = load_hardware("gh200-96gb")
     # 60 s at 24 req/s: since decodes keep their token beside prompt chunks and parked
-    # requests count a share of their catch-up (2026-12-02), 30 s at 26 req/s no longer
+    # requests count a share of their catch-up, 30 s at 26 req/s no longer
     # builds the backlog that makes LVF trade one SLO for the other (every variant met
     # both there), and the directions need that trade to show.
     trace = build_trace(WorkloadSpec(rps=24, duration_s=60, seed=0))
@@ -730,7 +729,7 @@ def _sim(variant: str) -> dict[str, float]:
 def test_raising_alpha_lowers_ttft_and_raises_per_request_tbt_attainment() -> None:
     """α weighs a started request's lag against a new one's (vlt.py). Measured (gh200-96gb,
     24 req/s, 60 s, seed 0, memory margin 6): TTFT 100 / 58.4 / 56.7 % and TPOT 83.0 / 100 /
-    100 % at α 0.1, 3, 30 (TPOT is full from α 3 on; before the margin, 2026-12-06: TTFT
+    100 % at α 0.1, 3, 30 (TPOT is full from α 3 on; before the memory margin: TTFT
     100 / 99.3 / 79.4, TPOT 90.7 / 100 / 100). Per-gap TBT attainment hardly moves with α
     (99.8 / 100 / 100 %): each rotation costs its request one gap however long it is parked, and
     α changes how long more than how often. So the direction holds for the per-request TBT
@@ -753,7 +752,7 @@ def test_raising_beta_b_lowers_tbt_attainment_of_rotary_requests() -> None:
     sooner. Measured: TPOT attainment of the rotated requests 96.0 / 80.6 / 75.9 % at β_B 0,
     0.5, 1. Their per-gap TBT attainment does not fall (99.9 / 99.8 / 99.8 %): waiting
     longer adds no missed gap to a parked request. Rotations are not a direction DESIGN §4
-    asks for: they fell with β_B until the memory margin (2026-12-06; 5845 / 4746 / 4997
+    asks for: they fell with β_B until the memory margin (5845 / 4746 / 4997
     before it), and now rise (291 / 306 / 323): a new request that lags sooner clears the
     margin over more running ones."""
     runs = [_sim(f"lvf:beta_b={b}") for b in (0.0, 0.5, 1.0)]
@@ -808,105 +807,3 @@ def test_the_gateway_exports_the_miss_histograms_as_prometheus_histograms() -> N
     assert got[("superinfer_slo_miss_phase_seconds_count", "ttft", "waiting", None)] == 1.0
     assert got[("superinfer_slo_miss_phase_seconds_bucket", "ttft", "waiting", "2.5")] == 0.0
     assert got[("superinfer_slo_miss_phase_seconds_bucket", "ttft", "waiting", "+Inf")] == 1.0
-
-
-def test_the_issue18_claim_is_checked_from_one_and_a_half_times_saturation() -> None:
-    from superinfer.bench.experiment import pareto_claim
-
-    def row(policy: str, rps: float, ttft: float, tbt: float, good: float) -> dict:
-        return {"policy": policy, "rps": rps, "ttft_attainment": ttft,
-                "tbt_attainment": tbt, "goodput_rps": good}
-
-    rows = [row("lvf", 0.7, 0.5, 0.5, 0.0), row("waiting-first", 0.7, 1.0, 1.0, 1.0),
-            row("lvf", 1.05, 0.9, 0.95, 0.5), row("waiting-first", 1.05, 0.95, 0.9, 0.4),
-            row("lvf", 1.4, 0.8, 0.95, 0.3), row("waiting-first", 1.4, 0.8, 0.96, 0.2)]
-    verdict = pareto_claim(rows, saturation=0.7)
-    # 0.7 req/s (1x) is not checked; at 1.4 waiting-first is as good on TTFT, better on TBT.
-    assert [r["rate"] for r in verdict["rates"]] == [1.05, 1.4]
-    assert verdict["rates"][0]["holds"] and not verdict["rates"][1]["holds"]
-    assert verdict["rates"][1]["dominated_by"] == ["waiting-first"]
-    assert verdict["holds"] is False
-    assert pareto_claim(rows, saturation=None)["holds"] is None
-    # Three gaps in 28,000 (0.011 points of per-gap TBT, seed 14 at 2x on 2026-12-06) are
-    # a tie, not a domination; the strict verdict stays beside it.
-    rows[-1] = row("waiting-first", 1.4, 0.8, 0.95011, 0.2)
-    verdict = pareto_claim(rows, saturation=0.7)
-    assert verdict["rates"][1]["dominated_by"] == []
-    assert verdict["rates"][1]["dominated_by_strict"] == ["waiting-first"]
-    assert verdict["holds"] is True and verdict["holds_strict"] is False
-    # Past the tie it dominates again, and a better TTFT by one request of 100 is no tie.
-    for ttft, tbt in ((0.8, 0.9506), (0.81, 0.95)):
-        rows[-1] = row("waiting-first", 1.4, ttft, tbt, 0.2)
-        assert pareto_claim(rows, saturation=0.7)["rates"][1]["dominated_by"] == ["waiting-first"]
-
-
-def test_an_lvf_variant_is_checked_in_lvfs_place_and_is_no_ones_baseline() -> None:
-    from superinfer.bench.experiment import check_claims, engine_argv, parse_variants
-
-    variants = parse_variants(["lvf-pf=lvf --parked-first --park-cover 1"], ["lvf", "fcfs"])
-    assert variants == {"lvf-pf": {"policy": "lvf", "serve_args": "--parked-first --park-cover 1"}}
-    config = {"device_blocks": 64, "host_blocks": 4096, "max_num_seqs": 32, "ttft_slo": 10.0,
-              "tbt_slo": 0.3, "serve_args": "--alpha 2", "variants": variants}
-    assert engine_argv("lvf-pf", config)[:2] == ["--policy", "lvf"]
-    assert engine_argv("lvf-pf", config)[-5:] == [
-        "--alpha", "2", "--parked-first", "--park-cover", "1"]
-    assert "--parked-first" not in engine_argv("fcfs", config)
-    for bad, word in [("lvf", "LABEL=POLICY"), ("fcfs=lvf", "taken"), ("x=nope", "unknown"),
-                      ("a/b=lvf", "letters"), ("x=", "LABEL=POLICY")]:
-        with pytest.raises(ValueError, match=word):
-            parse_variants([bad], ["lvf", "fcfs"])
-
-    def row(policy: str, ttft: float, tbt: float, good: float) -> dict:
-        return {"policy": policy, "rps": 3.6, "ttft_attainment": ttft,
-                "tbt_attainment": tbt, "goodput_rps": good}
-
-    # The variant beats lvf on both, but is not a baseline: lvf's own verdict is against
-    # fcfs only (which lvf beats); the variant is checked against fcfs, not against lvf.
-    rows = [row("lvf", 0.9, 0.95, 1.0), row("fcfs", 0.8, 0.96, 0.9), row("lvf-pf", 1.0, 0.99, 1.2)]
-    for r, good in zip(rows, (90, 95, 99), strict=True):
-        r["good_requests"] = good  # shown beside goodput: the machine's speed does not move it
-    claims = check_claims(rows, variants, saturation=2.4)
-    assert claims["claim_issue18"]["holds"] is True
-    at = claims["claim_issue18"]["rates"][0]
-    assert (at["good_requests"], at["most_other_good_requests"]) == (90, 95)
-    assert claims["claim_issue18_variants"]["lvf-pf"]["holds"] is True
-    rows[1] = row("fcfs", 1.0, 0.995, 1.0)  # now fcfs dominates both
-    claims = check_claims(rows, variants, saturation=2.4)
-    assert claims["claim_issue18"]["rates"][0]["dominated_by"] == ["fcfs"]
-    assert claims["claim_issue18_variants"]["lvf-pf"]["rates"][0]["dominated_by"] == ["fcfs"]
-    assert claims["claim"]["holds"] is None  # issue #7's needs swapped-first
-
-
-def test_repeated_passes_are_interleaved_and_the_claims_checked_on_their_means() -> None:
-    from superinfer.bench.experiment import check_claims, claims_per_round, mean_rows, pass_order
-
-    order = pass_order(["lvf", "waiting-first"], ["0.855", "1.14"], True, 2)
-    assert order == [("lvf", "0.855", 1), ("waiting-first", "0.855", 1),
-                     ("waiting-first", "1.14", 1), ("lvf", "1.14", 1),
-                     ("waiting-first", "0.855", 2), ("lvf", "0.855", 2),
-                     ("lvf", "1.14", 2), ("waiting-first", "1.14", 2)]
-    assert pass_order(["a", "b"], ["1", "2"], False, 2) == [
-        ("a", "1,2", 1), ("b", "1,2", 1), ("b", "1,2", 2), ("a", "1,2", 2)]
-
-    def row(policy: str, k: int, good: float, n_good: int) -> dict:
-        return {"policy": policy, "rps": 0.855, "repeat": k, "ttft_attainment": 1.0,
-                "tbt_attainment": 0.99, "tpot_attainment": None, "goodput_rps": good,
-                "good_requests": n_good}
-
-    # Every request good in every pass: goodput is the pass's length, which drifts. One
-    # round is lvf's, two are waiting-first's by less than lvf won its round by.
-    rows = [row("lvf", 1, 0.80, 100), row("waiting-first", 1, 0.70, 100),
-            row("lvf", 2, 0.72, 100), row("waiting-first", 2, 0.73, 100),
-            row("lvf", 3, 0.70, 100), row("waiting-first", 3, 0.71, 100)]
-    means = {r["policy"]: r for r in mean_rows(rows)}
-    assert means["lvf"]["passes"] == 3
-    assert means["lvf"]["goodput_rps"] == pytest.approx(0.74)
-    assert (means["lvf"]["goodput_rps_min"], means["lvf"]["goodput_rps_max"]) == (0.70, 0.80)
-    assert means["lvf"]["tpot_attainment"] is None  # no pass had it: not a zero
-    claims = check_claims(list(means.values()), {}, saturation=0.57)
-    assert claims["claim_issue18"]["holds"] is True  # 0.74 against 0.713 on the means
-    rounds = claims_per_round(rows, {}, saturation=0.57)
-    assert rounds["rounds"] == 3
-    assert rounds["claim_issue18_held_in_rounds"] == [1]
-    assert rounds["claim_held_in_rounds"] is None  # issue #7's needs swapped-first
-    assert rounds["per_round"]["2"]["claim_issue18"]["rates"][0]["best_other_goodput"] == 0.73

@@ -199,7 +199,7 @@ def test_cli_malformed_dataset_file(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "not valid JSON" in capsys.readouterr().err
 
 
-# -- findings that reproduce in a small memory-bound setup (docs/sim/README.md has the full
+# -- findings that reproduce in a small memory-bound setup (docs/results/simulator/ has the full
 # runs). Llama-3-8B with a 150-block (2 MiB each) device pool, 30 req/s for 6 s.
 def _findings_trace(rps: float = 30) -> list[TraceRequest]:
     return build_trace(WorkloadSpec(rps=rps, duration_s=6, seed=0, max_prompt_len=256,
@@ -221,19 +221,18 @@ def test_waiting_first_wins_ttft_and_loses_tbt_against_swapped_first() -> None:
 
 VLLM_STYLE = "layout=layer-first:duplex=off:eager=0:pipeline=off"  # vLLM 0.6's swaps
 # Fig. 17 needs rotation pressure. Since LVF's parked requests stopped triggering rotation
-# (issue #18), 30 req/s rotates ~150 times and every variant keeps TPOT at 100 %; since a
-# parked request in eager mode preempts only near its deadline (2026-12-05), 40 req/s no
+# , 30 req/s rotates ~150 times and every variant keeps TPOT at 100 %; since a
+# parked request in eager mode preempts only near its deadline, 40 req/s no
 # longer separates the two budgets (P99 TBT 27 -> 51 ms, TPOT 77.0 -> 78.2 %). At 50 req/s
 # LVF rotates ~330 times in 6 s and the directions are clear (they held there also once
-# a parked request coming back early left room for growth, 2026-12-05).
+# a parked request coming back early left room for growth).
 FIG17_RPS = 50
-# The cell was sized with α 0.3, LVF's default until 2026-12-04. With the default α 1 the
+# The cell was sized with α 0.3, LVF's earlier default. With the default α 1 the
 # P99 direction holds at a smaller size (50 req/s: 25.0 -> 51.5 ms, DuplexKV 35.7) and the
 # TPOT one does not (61.8 -> 62.2 %, DuplexKV 67.1). It was also sized with the full room
-# for growth (room 1, the default until LVF's became a half, 2026-12-05): at a half the P99
+# for growth (room 1, LVF's earlier default): at a half the P99
 # direction is stronger (25.0 -> 244.9 ms, DuplexKV 19.6) and the TPOT one does not hold
-# (60.5 -> 62.2 %, DuplexKV 68.8). And without the memory margin (0, the default until
-# 2026-12-06; at 6 the seats here are max_num_seqs's and LVF hardly rotates): the figure
+# (60.5 -> 62.2 %, DuplexKV 68.8). And without the memory margin (0, the earlier default; at 6 the seats here are max_num_seqs's and LVF hardly rotates): the figure
 # is about what each rotation costs, so it needs the rotations.
 FIG17 = "lvf:alpha=0.3:room=1:memory_margin=0"
 
@@ -267,29 +266,6 @@ def test_clock_cap_counts_every_request() -> None:
     assert res.metrics.completed < len(trace)  # type: ignore[attr-defined]
 
 
-def test_starvation_breakdown_counts_stalls_and_drained_misses() -> None:
-    """docs/sim/starvation.py: the evidence behind finding (b) must count what it says."""
-    import importlib.util
-
-    from superinfer.slo_metrics import RequestRecord
-
-    path = Path(__file__).resolve().parents[1] / "docs" / "sim" / "starvation.py"
-    spec = importlib.util.spec_from_file_location("starvation", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    recs = [
-        RequestRecord("a", 0.0, [0.5, 0.55, 30.55], 5.0, 0.1, prompt_tokens=40),  # one 30 s stall
-        RequestRecord("b", 1.0, [12.0, 12.05], 5.0, 0.1, prompt_tokens=600),  # served after end
-        RequestRecord("c", 2.0, [], 5.0, 0.1, prompt_tokens=300, finished=False),  # never served
-    ]
-    b = mod.breakdown(recs, arrivals_end_s=10.0)
-    assert (b["ttft_misses"], b["ttft_misses_long_prompt"], b["ttft_misses_after_arrivals_end"]) == (2, 2, 2)
-    assert b["gaps"] == 3 and b["missed_gaps"] == 1
-    assert b["stall_s"] == pytest.approx(30.0) and b["max_gap_s"] == pytest.approx(30.0)
-    assert b["median_prompt_hit"] == 40
-
-
 def test_lvf_keeps_tpot_when_clients_send_no_max_tokens() -> None:
     """An OpenAI client that sends no max_tokens gets the whole context as its bound
     (gateway/prompts.py), and its request ends by EOS. LVF must not order requests by a
@@ -297,7 +273,7 @@ def test_lvf_keeps_tpot_when_clients_send_no_max_tokens() -> None:
     catch-ups they never had the tokens for, and on the CPU stack's twin at 2x saturation
     38 % missed TPOT where none did with the lengths known (goodput 1.85 against 2.98
     req/s). Close to the run where the scheduler knows every length (ignore_eos, as
-    benchmarks send). Measured 2026-12-06 at the default memory margin 6 (at 0): TTFT 87
+    benchmarks send). Measured at the default memory margin 6 (at 0): TTFT 87
     against 93 % (96 against 100), TPOT 97 against 98 % (94 against 98), goodput 2.49
     against 2.71 req/s (2.66 against 2.91)."""
     hw, model = load_hardware("cpu-local"), load_model("smollm2-135m")

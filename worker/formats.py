@@ -14,7 +14,7 @@ for old command lines and runs as ``bfloat16`` (no fast fp16 CPU kernels here).
 
 ``auto`` (the default) takes the first of `AUTO_ORDER` this machine runs whose perplexity
 on the shipped text (worker/quality.py) is within `QUALITY_TOLERANCE` of float32's, and
-logs the choice. The order is measured (docs/results/cpu_executor.md): on this 2-core
+logs the choice. The order is measured (docs/results/executor/): on this 2-core
 AVX-512 machine ``gguf`` is the fastest at batch 1, 8 and 32. Without VNNI, bf16 beats
 int4 from ~8 tokens per step on (DESIGN §1c), so ``bfloat16`` is next. The verdict is
 cached per model file, format and machine (`verdict_cache`), so only the first start pays

@@ -10,7 +10,7 @@ The split (Megatron-style, per layer):
   (two per layer);
 * embeddings and norms are replicated; lm_head is replicated and computed on rank 0 only
   (the only rank that samples), so it needs no gather (`LM_HEADS`: "vocab" splits it by
-  vocabulary rows and gathers the logits on rank 0 instead; `superinfer bench tp`
+  vocabulary rows and gathers the logits on rank 0 instead; `python -m experiments tp`
   measures both, the service runs "replicated").
 
 Each rank holds its shard of the block-first KV pool, `[num_blocks, layers, 2, bs,

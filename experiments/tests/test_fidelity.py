@@ -1,6 +1,6 @@
-"""`superinfer sim fidelity`: the simulator replays exactly what `bench experiment` sent.
+"""`python -m experiments fidelity`: the simulator replays exactly what `python -m experiments policies` sent.
 
-No real stack here: tests/data/experiment_trial.json is a trimmed `bench experiment` output
+No real stack here: experiments/tests/data/policies_trial.json is a trimmed `python -m experiments policies` output
 (2 policies, 0.5 req/s, 10 s; per-request records as bench serve wrote them).
 """
 
@@ -15,20 +15,20 @@ from typing import Any
 import pytest
 
 from common.config import EngineConfig
+from experiments import fidelity
+from experiments.__main__ import main as experiments_main
 from superinfer.bench.serve import cli as bench_cli
-from superinfer.sim import fidelity
 from superinfer.sim.calibrate import _counts, fit_iterations
-from superinfer.sim.cli import main as sim_main
 from superinfer.sim.cost import ExecutionCostModel, TransferCostModel
 from superinfer.sim.engine import AUTO, SimConfig
 from superinfer.sim.profile import load_hardware, load_model
 from superinfer.workload import build_trace
 
-TRIAL = Path(__file__).parent / "data" / "experiment_trial.json"
+TRIAL = Path(__file__).parent / "data" / "policies_trial.json"
 
 
 def bench_spec(config: dict[str, object], rps: float) -> object:
-    """The WorkloadSpec bench serve builds from the flags `bench experiment` gives it."""
+    """The WorkloadSpec bench serve builds from the flags `python -m experiments policies` gives it."""
     p = argparse.ArgumentParser()
     bench_cli.add_arguments(p)
     args = p.parse_args([
@@ -46,7 +46,7 @@ def bench_spec(config: dict[str, object], rps: float) -> object:
 @pytest.mark.parametrize(("rps", "num_prompts"), [(0.3, None), (0.5, None), (0.9, None),
                                                  (0.546, 60)])
 def test_sim_replays_the_benchs_trace(rps: float, num_prompts: int | None) -> None:
-    # --num-prompts (as issue #18's sweeps ran) sends exactly that many, duration ignored:
+    # --num-prompts (as the real-stack sweeps run) sends exactly that many, duration ignored:
     # the replay once took the duration and simulated 13 requests of 60.
     config = json.loads(TRIAL.read_text())["config"] | {"duration": 40.0, "seed": 3,
                                                         "num_prompts": num_prompts}
@@ -119,7 +119,7 @@ def test_a_variant_is_replayed_with_its_own_flags(tmp_path: Path) -> None:
     data["results"].append({**data["results"][0], "policy": "lvf-pf", "base_policy": "lvf"})
     path, out = tmp_path / "results.json", tmp_path / "f.json"
     path.write_text(json.dumps(data))
-    assert sim_main(["sim", "fidelity", "--experiment", str(path), "--json", str(out)]) == 0
+    assert experiments_main(["fidelity", "--experiment", str(path), "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert [r["policy"] for r in report["rows"]] == ["lvf", "swapped-first", "lvf-pf"]
     sim = report["sim_config"]
@@ -139,7 +139,7 @@ def test_sim_defaults_are_the_engines() -> None:
 
 def test_fidelity_command_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out, png = tmp_path / "fidelity.json", tmp_path / "fidelity.png"
-    assert sim_main(["sim", "fidelity", "--experiment", str(TRIAL), "--json", str(out),
+    assert experiments_main(["fidelity", "--experiment", str(TRIAL), "--json", str(out),
                      "--plot", str(png)]) == 0
     text = capsys.readouterr().out
     for word in ("TTFT% real", "TBT% real", "p99 TTFT s real/sim", "rotations real/sim",
@@ -170,7 +170,7 @@ def test_fidelity_flags_a_gap(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     path = tmp_path / "results.json"
     path.write_text(json.dumps(data))
     out = tmp_path / "f.json"
-    assert sim_main(["sim", "fidelity", "--experiment", str(path), "--json", str(out)]) == 0
+    assert experiments_main(["fidelity", "--experiment", str(path), "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["rows"][1]["flagged"] == ["ttft"] and report["agree"] is False
     assert "NOT within 10 points" in capsys.readouterr().out
@@ -178,16 +178,16 @@ def test_fidelity_flags_a_gap(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 def test_fidelity_refuses_what_it_cannot_compare(tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    assert sim_main(["sim", "fidelity", "--experiment", str(tmp_path / "none.json")]) == 2
-    assert "bench experiment" in capsys.readouterr().err
+    assert experiments_main(["fidelity", "--experiment", str(tmp_path / "none.json")]) == 2
+    assert "experiments policies" in capsys.readouterr().err
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"config": {"dataset": "sharegpt"}, "results": [{}]}))
-    assert sim_main(["sim", "fidelity", "--experiment", str(bad)]) == 2
+    assert experiments_main(["fidelity", "--experiment", str(bad)]) == 2
     assert "config lacks" in capsys.readouterr().err
     eos = json.loads(TRIAL.read_text())
     eos["config"]["bench_args"] = "--no-ignore-eos --max-tokens 512"
     bad.write_text(json.dumps(eos))
-    assert sim_main(["sim", "fidelity", "--experiment", str(bad)]) == 2
+    assert experiments_main(["fidelity", "--experiment", str(bad)]) == 2
     assert "not comparable" in capsys.readouterr().err
 
 
@@ -230,15 +230,15 @@ def test_calibration_fit_recovers_known_parameters() -> None:
 
 
 def test_calibration_serves_at_the_rate_asked(capsys: pytest.CaptureFixture[str]) -> None:
-    """The serving run is a `bench experiment` at --serving-rate (default: the load the
-    experiments run at); a rate that is not positive is refused before anything starts."""
-    from superinfer.sim.calibrate import SERVING_RATE, serving_run
+    """The serving run is a policies run at --rate (default: the load the experiments
+    run at); a rate that is not positive is refused before anything starts."""
+    from experiments.calibrate_serving import SERVING_RATE, serving_run
 
     run = serving_run(2.5)
     assert run[run.index("--rates") + 1] == "2.5" and "--policies" in run
     assert serving_run(SERVING_RATE)[run.index("--rates") + 1] == f"{SERVING_RATE:g}"
     with pytest.raises(SystemExit) as e:
-        sim_main(["sim", "calibrate", "--serving-rate", "0", "--out", "/nonexistent/x"])
+        experiments_main(["calibrate-serving", "--rate", "0", "--out", "/nonexistent/x"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "--serving-rate" in err and "must be positive" in err
+    assert "--rate" in err and "must be positive" in err

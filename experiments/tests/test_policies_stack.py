@@ -1,4 +1,4 @@
-"""`superinfer bench experiment` stops its stacks cleanly, however it is run or stopped.
+"""`python -m experiments policies` stops its stacks cleanly, however it is run or stopped.
 
 Real processes: the experiment, `superinfer serve` with its four services, `bench serve`.
 """
@@ -18,7 +18,7 @@ def _experiment(out: Path, *extra: str) -> subprocess.Popen[bytes]:
     # Started as a background job of a script is (nohup, `&`): SIGINT ignored, which every
     # child inherits.
     return subprocess.Popen(
-        [sys.executable, "-m", "superinfer.cli", "bench", "experiment", "--policies",
+        [sys.executable, "-m", "experiments", "policies", "--policies",
          "swapped-first", "--out", str(out), "--max-output-len", "16", *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))

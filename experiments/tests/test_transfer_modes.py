@@ -1,4 +1,4 @@
-"""`superinfer bench transfer-modes`: transfer wait per DuplexKV mode from the real services."""
+"""`python -m experiments transfer-modes`: transfer wait per DuplexKV mode from the real services."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from superinfer.bench.transfer_modes import summarize
+from experiments.transfer_modes import summarize
 
-TRIAL = Path(__file__).parent / "data" / "experiment_trial.json"
+TRIAL = Path(__file__).parent / "data" / "policies_trial.json"
 
 
 def test_summarize_reads_the_schedulers_counters() -> None:
@@ -56,7 +56,7 @@ def test_a_pass_without_server_metrics_is_refused() -> None:
 def test_two_modes_on_the_real_stack(tmp_path: Path) -> None:
     """Both modes move blocks under rotation pressure and the table says how long it waited."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    rc = subprocess.call([sys.executable, "-m", "superinfer.cli", "bench", "transfer-modes",
+    rc = subprocess.call([sys.executable, "-m", "experiments", "transfer-modes",
                           "--modes", "layer-first,duplex", "--rate", "2", "--duration", "8",
                           "--out", str(tmp_path)], env=env)
     assert rc == 0
@@ -70,7 +70,7 @@ def test_two_modes_on_the_real_stack(tmp_path: Path) -> None:
 
 def test_the_experiment_claim_needs_both_policies() -> None:
     """A one-policy run (as transfer-modes makes) neither holds nor fails the claim."""
-    from superinfer.bench.experiment import claim
+    from experiments.policies import claim
 
     row = {"policy": "lvf", "rps": 1.6, "ttft_attainment": 0.9, "tbt_attainment": 0.95}
     assert claim([row])["holds"] is None

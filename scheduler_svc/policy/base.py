@@ -73,7 +73,7 @@ class RotationLimits:
     # much more (LVF; in lag units). There rotation only moves who waits: every rotation
     # is a missed gap and a stay parked that TPOT pays for. Where the budget holds the
     # seat, the batch is compute-bound and slack alone decides (measured in the
-    # simulator, docs/sim/issue18/README.md, "A margin where the batch time does not hold
+    # simulator, docs/results/rotasched/, "A margin where the batch time does not hold
     # the seat"). 0: off.
     memory_margin: float = 0.0
 
@@ -259,7 +259,7 @@ def deadline_order(reqs: list[Request]) -> list[Request]:
     arrival order; with classes of different TTFT SLOs, arrival order handed the token
     budget to a batch-class prompt (20 s SLO) that had waited 2 s while interactive ones
     (1 s) went late behind it with memory and seats to spare (measured in the simulator,
-    gh200 artifact settings, 20 req/s, `--slo-classes mixed`: docs/sim/issue18)."""
+    gh200 artifact settings, 20 req/s, `--slo-classes mixed`: docs/results/rotasched/)."""
     return sorted(reqs, key=deadline_key)
 
 

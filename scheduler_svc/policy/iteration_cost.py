@@ -14,7 +14,7 @@ The scheduler keeps a second online fit, of the batches that took at least half 
 target, for the token budget (`Scheduler.near_cost`): an executor's time is not one line
 (memory-bound small batches, compute-bound large ones), and a line fitted over every batch,
 most of them small decodes, underestimated the large batches a budget plans by 9-26 % in
-the simulator (Mixtral-8x7B, docs/sim/issue18/README.md), each overrun a missed gap for
+the simulator (Mixtral-8x7B, docs/results/rotasched/), each overrun a missed gap for
 every running request.
 
 `tokens_within(target_s, …)` inverts a cost: the largest batch that stays under a time.

@@ -6,14 +6,14 @@ that can no longer make it — admitted now, its first token would come after it
 deadline (two batches: vlt.deadline), or parked past its deadline (its pace, plus what it
 can still win back) — is *late*: it is served from what the on-time ones leave, oldest
 deadline first, and never preempts anyone.
-Measured in the simulator (docs/sim, issue #18): without the tiers, a parked request's lag
+Measured in the simulator (docs/results/rotasched/): without the tiers, a parked request's lag
 grows without bound and, under sustained overload, rotary requests that can no longer be
 saved take every seat from new requests that still could be (TTFT attainment 69 % where
 the tiers give 100 %, gh200, 20 req/s). What a parked request can win back depends on the
 time between tokens it would get, which the policy follows from the executed batches
 (`observe_iteration`): on the CPU stack, where an iteration is a fifteenth of the TBT
 SLO, a request parked past its pace catches up within its remaining tokens, and counting
-it as late starved it while arrivals continued (docs/sim/issue18/real_stack, 1.5×).
+it as late starved it while arrivals continued (docs/results/rotasched/, 1.5×).
 
 Groups for the lazy order (see policy/base.py): VLT depends on time only through
 `now - anchor`, where the anchor is the arrival (no token yet) or, for a started request
@@ -28,18 +28,18 @@ with their tokens: the scheduler sorts them each iteration (`static_running_orde
 A victim's slack is its deadline less now, but parked it waits for its VLT to overtake the
 new requests', which under overload takes longer than that slack: rotated out with
 seconds to spare, it came back late (on the CPU stack at 1.5x, 64-token requests parked
-with 14 s of slack stalled 23-34 s; docs/sim/issue18/real_stack). With
+with 14 s of slack stalled 23-34 s; docs/results/rotasched/). With
 `limits.park_cover` = c a started request is a victim only where its slack covers c
 times the mean stay parked of its SLO class (`observe_park`, from the resumes): the
 requests that could not sit out a typical stay keep their seats. It trades TTFT for TPOT
-(docs/sim/issue18/README.md, "A victim's slack against the time parked").
+(docs/results/rotasched/, "A victim's slack against the time parked").
 
 Where the seat a candidate needs is held by memory or max_num_seqs rather than by the
 iteration-time budget (`time_bound` False: the batch is short of the TBT target and the
 running streams meet TPOT with room), it must lag its victim by `limits.memory_margin`
 more: there each rotation parks a stream that would have met its TPOT to seat a request
 that may still make its TTFT by waiting. Where the budget holds the seats every stream's
-gap is near the target and slack alone decides (docs/sim/issue18/README.md, "A margin
+gap is near the target and slack alone decides (docs/results/rotasched/, "A margin
 where the batch time does not hold the seat").
 """
 
@@ -68,7 +68,7 @@ class LVFPolicy(Policy):
     name = "lvf"
     # An iteration is a decode request's time between tokens: keep it under 90 % of the
     # tightest TBT SLO (the pipelined step's gap is the iteration plus a little; at 100 %
-    # a quarter of the gaps came out just over the SLO, docs/sim/README.md §10).
+    # a quarter of the gaps came out just over the SLO, docs/results/simulator/ §10).
     default_iteration_budget = 0.9
 
     # A running request's VLT follows its tokens (its deadline moves with each), so the
@@ -150,7 +150,7 @@ class LVFPolicy(Policy):
         # By what it counts on (vlt.tokens_left). A request of unknown length may have
         # used up the catch-up it counts on and not be late (its max_tokens might still
         # bring it back): it then triggers no rotation, nor do those after it
-        # (Scheduler._rotation_needed), and takes free seats first. Measured (docs/sim/issue18/README.md, 2026-12-05): counting it as
+        # (Scheduler._rotation_needed), and takes free seats first. Measured (docs/results/rotasched/): counting it as
         # on time with no slack left doubled LVF's rotations on gh200-96gb at 17 req/s
         # (6,961 against 3,220) and cost 10 points of TPOT.
         # vlt.deadline's arithmetic inlined (admission asks it of every parked candidate
@@ -352,10 +352,10 @@ class LVFPolicy(Policy):
 
     def on_unservable(self, candidate: Request, now: float) -> Unservable:
         # Skip by default: the simulator measured the strict rule blocking new requests
-        # behind a large rotary one (docs/sim/README.md). But a new request lagging past
+        # behind a large rotary one (docs/results/simulator/). But a new request lagging past
         # hold_vlt holds the line: without this a large prompt waits while later, smaller
         # ones keep taking the free blocks (measured on the real stack: 21 s TTFT with 13
-        # blocks free, docs/results/experiment/README.md).
+        # blocks free, docs/results/rotasched/).
         return Unservable.STOP if self.holds_the_line(candidate, now) else Unservable.SKIP
 
     def holds_the_line(self, candidate: Request, now: float) -> bool:

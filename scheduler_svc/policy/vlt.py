@@ -26,20 +26,19 @@ holds or grows; parked, it shrinks second for second.
 So running and parked requests, and new ones, compare by the same slack: victims are the
 requests furthest ahead of their deadlines (measured: LVF ranked running requests by time
 since admission instead and rotated a request out after a batch or two however far
-behind it was; docs/sim/issue18). β_F is the share of the TPOT budget a request may use
+behind it was; docs/results/rotasched/). β_F is the share of the TPOT budget a request may use
 before it counts as lagging, as β_B is for the TTFT budget. Both lags are in units of the
 request's TTFT budget S_B, so that a parked request's slack and a new request's slack
 compare in the same seconds. Where live requests carry different SLOs, the unit is one
 for all of them (`unit_s`: the longest live TTFT SLO, set by the scheduler), so that VLT
 orders requests of different classes by their slack in seconds: in a request's own S_B,
 a batch-class request 13 s from its 20 s TTFT deadline outranked an interactive one 0.6 s
-from its 1 s deadline, which then missed it (measured, docs/sim/issue18/README.md). With
+from its 1 s deadline, which then missed it (measured, docs/results/rotasched/). With
 one class the two are the same. α weighs a started request against a new one: its lag counts
 α times, its lead 1/α times, so a larger α makes it more urgent at every moment (and a
 running request a later victim). The default, 1, orders every live request by its slack
 in seconds. It was 0.3, which sent new requests first while a parked one still had slack
-and let it sit out parks that used all of it; measured against it (docs/sim/issue18/
-README.md, 2026-12-04 late): the simulator's goodput summed over the 26 must-show cells
+and let it sit out parks that used all of it; measured against it (docs/results/rotasched/): the simulator's goodput summed over the 26 must-show cells
 +1.9 % and +2.0 % (seeds 0, 1), TPOT up in every cell that fails on it, Llama-3-8B at
 140 req/s passing, the mixed artifact cell's interactive TTFT down 0.5 points (now under
 waiting-first's); on the CPU stack's twin the real-stack claim held on 34 of 40 seeds at
@@ -49,19 +48,19 @@ waiting-first's); on the CPU stack's twin the real-stack claim held on 34 of 40 
 A parked request's deadline can lie far ahead, and a streaming user sees the wait for
 it: on the CPU stack the catch-up allowance let a request 16 tokens into 64 sit out 16 s
 and still meet its TPOT, which per-gap TBT counts as one miss and vLLM's goodput as good
-(docs/sim/issue18/real_stack). With `max_stall` = m a parked request's slack counts only
+(docs/results/rotasched/). With `max_stall` = m a parked request's slack counts only
 until m·S_B after its last token (`stall_anchor`): it lags from then on, and before then
 it outranks a new request once its slack is under α times the new one's (with α 1 and
 m 0.25, at once against one just arrived). Only its rank moves: whether it is late still
 follows D alone, so the bound never makes a request late (late ones are served last).
 It is off by default. On the CPU stack (m 0.25, 1.5x and 2x) it cut the longest stall
 from 17 s to 3-3.5 s at 100 % TTFT, with twice the rotations and per-gap misses:
-swapped-first then beat LVF on per-gap TBT and goodput (docs/sim/issue18/real_stack).
+swapped-first then beat LVF on per-gap TBT and goodput (docs/results/rotasched/).
 Under sustained overload on a GPU it costs more than it bounds: the simulator, gh200-96gb
 at 24 req/s, TTFT / TPOT % and goodput: off 100 / 91.1, 9.50 req/s (longest gap 103 s);
 m 0.25: 73.7 / 99.5, 7.69 (48 s); m 1: 98.5 / 69.9, 7.29; m 2: 99.5 / 79.9, 8.29, with
 2-3.6x the rotations: every stalled request that takes a seat leaves it to a new one that
-then rotates someone else out (docs/sim/issue18/README.md).
+then rotates someone else out (docs/results/rotasched/).
 """
 
 from __future__ import annotations
@@ -148,8 +147,7 @@ def tokens_left(req: Request, k: int, lengths: Sequence[int] | None = None) -> i
     The order (its slack, `vlt`) counts on that; whether it is late (`is_late`) counts on
     max_tokens: a request is parked only against a catch-up it will most likely have the
     tokens for, and given up on only when not even its bound would bring it back. Measured
-    with the requests' lengths unknown to the scheduler (docs/sim/issue18/README.md,
-    2026-12-05): counting on max_tokens - k for both, LVF parked requests for catch-ups they
+    with the requests' lengths unknown to the scheduler (docs/results/rotasched/): counting on max_tokens - k for both, LVF parked requests for catch-ups they
     never had the tokens for (the CPU stack's twin, 40 seeds at 1.5x and 2x saturation:
     TPOT 76.6 and 58.2 %, the real-stack claim on 6 and 5 seeds; gh200-96gb at 17 and 20
     req/s: TPOT 67.2 and 52.2 %, goodput 7.27 and 5.73 req/s); counting on the median for
@@ -182,7 +180,7 @@ def deadline(req: Request, gap_s: float | None = None,
 
     No token yet: its TTFT deadline less two batches, since its first token comes up to two
     batches after it is admitted (pipelined: the batch in flight, then its own). Measured
-    in the simulator (docs/sim/issue18/README.md, Llama-3-8B at 140 req/s, where a batch is
+    in the simulator (docs/results/rotasched/, Llama-3-8B at 140 req/s, where a batch is
     0.8 of S_F): counting it late only past the TTFT deadline itself kept admitting the
     requests just short of it, whose first tokens then came just after it (p50 TTFT 5.15 s
     against 5 s): TTFT 17.7 %, goodput 6.56 req/s; less one batch, 23.2 % and 8.86; less
@@ -218,7 +216,7 @@ def catch_up_limit(remaining: int, tbt_s: float, gap_s: float) -> float:
     where that is more than a second (iterations over half the TBT SLO, a GPU under
     overload) the seat is worth more to others, so only that exchange rate's share of the
     lag counts as recoverable: all of it at gap_s ≤ S_F/2, none as gap_s nears S_F.
-    Measured in the simulator (docs/sim/issue18/README.md, 2026-12-02), TTFT / TPOT %:
+    Measured in the simulator (docs/results/rotasched/), TTFT / TPOT %:
     counting none of it above S_F/2 (the rule until then) made requests late en masse
     whenever the batch time crossed S_F/2 (gh200-96gb at 20 req/s: 100 / 81.1; Mixtral at
     60: 83.1 / 64.5); counting all of it made Llama-3-8B at 100 req/s (gap_s ≈ 0.9·S_F)

@@ -16,7 +16,7 @@ Pools hold twice the blocks moved (so ids scatter) and are pre-faulted before ti
 pool in GPU memory and page-locks the host pool; `raw_gbps` is then one large
 device->host copy plus one large host->device copy of the plan's byte split, one after the
 other (the link's one-way bandwidth, per direction in `raw_d2h_gbps`/`raw_h2d_gbps`), so
-block-first's ratio to it is issue #5's "≥ 90 % of one-way bandwidth" and duplex's ratio
+block-first's ratio to it is the goal "≥ 90 % of one-way bandwidth" and duplex's ratio
 to block-first its "≥ 1.7x one direction".
 """
 
@@ -162,7 +162,7 @@ def measure(shape: Shape, blocks: int, repeats: int, seed: int = 0,
         samples: dict[str, list[float]] = {k: [] for k in kinds}
         overlap: list[float] = []
         # Block-first runs one direction at a time: its busy time per direction gives the
-        # issue's GPU goal "per direction", beside the raw copy of that direction.
+        # GPU goal "per direction", beside the raw copy of that direction.
         one_way: dict[str, list[float]] = {"d2h": [], "h2d": []}
         flat_d, flat_h = dev.view(-1).view(torch.uint8), host.view(-1).view(torch.uint8)
         n_d2h = (len(plan.swap_out) + len(plan.eager)) * shape.block_bytes
@@ -251,8 +251,8 @@ def measure(shape: Shape, blocks: int, repeats: int, seed: int = 0,
     return out
 
 
-# Issue #5's targets: (name, measured ratio's key, at least, what it says), on the CPU and the
-# GPU alike; "≥ 3x layer-first" names no mode in the issue, so it is checked
+# The transfer engine's targets: (name, measured ratio's key, at least, what it says), on the CPU and the
+# GPU alike; "≥ 3x layer-first" names no mode, so it is checked
 # for block-first (one direction at a time, like the baseline) and for duplex (what kvmem
 # runs) separately. On a GPU the raw copy is the link one way, direction by direction.
 GOALS = [
@@ -338,7 +338,7 @@ def run(args: argparse.Namespace) -> int:
               f"duplex overlap {r['duplex_overlap']:.2f}"
               + (f"; raw D2H {r['raw_d2h_gbps']:.1f}, H2D {r['raw_h2d_gbps']:.1f} GB/s"
                  if r["device"] == "cuda" else ""))
-    print(table(["shape", "issue #5 goal", "median [min]", "target", "met"],
+    print(table(["shape", "goal", "median [min]", "target", "met"],
                 [[r["shape"], g["ratio"].replace("_vs_", " / ").replace("_", "-"), f"{g['median']:.2f} [{g['min']:.2f}]",
                   f">= {g['target']:g}", "yes" if g["met"] else "NO"]
                  for r in results for g in r["goals"]]))

@@ -19,27 +19,15 @@ does (same code, same threads, kvmem's own glibc tunables) and talks to them ove
   fixed cost of a transfer batch (RPC wall time minus the copy). A kvmem in layer-first
   mode gives the small-segment point (one layer's K or V of one block), and one in
   block-first mode (one lane) checks the half-duplex model (D2H + H2D).
-* The stack around the worker (`--serving`, default on): inside `serve` the worker shares
-  the cores with the scheduler, the gateway streaming tokens and the client, and its
-  batches run slower than alone (on 2 cores, 1.4-2x in the runs that motivated this). A
-  short `superinfer bench experiment` (lvf, `--serving-rate`, 30 s, its own seed 12345)
-  runs the whole stack; the simulator replays that run, and every execution term of the
-  profile is scaled by the one factor that makes the simulated mean time per batch equal
-  the mean Execute time the scheduler measured. The serving run also gives the stack's own
-  cost per transfer batch. This uses one policy's mean batch time, never attainment.
-  The rate is the load the comparisons run at: the more streams the gateway and the
-  client serve, the more of the cores they take. Measured 2026-12-04 with the executor
-  of that day (saturation 2.88 req/s): 12 s at 0.6 req/s (7 requests) gave a factor of
-  1.03 and a profile whose replays of four `bench experiment` passes at 1.5-2x saturation
-  were off by 14-17 TTFT points in three of them; 12 s at 4.32 req/s (46 requests) gave
-  1.12, off by 16, 9, 2 and 0.2; 30 s at 4.32 (121 requests) gave 1.35, and a four-policy
-  pass run right after replayed within 8 points (docs/sim/issue18/real_stack,
-  fidelity_1204).
+* Alone, the worker runs faster than inside the whole stack, where it shares the cores
+  with the scheduler, the gateway and the client. `python -m experiments calibrate-serving`
+  (the experiments folder of a checkout) runs this calibration and then scales the profile
+  by that slowdown, measured on a short serving run.
 
 It takes about three and a half minutes on an idle 2-core machine. Timings on a shared
 machine measure the neighbours too: the fastest of the repetitions is kept, and the load
 average at start and end is written into the profile. Calibrate under the conditions the
-comparison will run in (right before `bench experiment`).
+comparison will run in.
 """
 
 from __future__ import annotations
@@ -54,13 +42,12 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from common.daemon import free_port
-from superinfer.bench.server_stats import scheduler_stat
-from superinfer.sim.engine import SimConfig, Simulator
-from superinfer.sim.profile import PROFILE_DIR, load_hardware, load_model
+from superinfer.sim.profile import PROFILE_DIR, HardwareProfile, load_hardware, load_model
 
 GIB = 1 << 30
 DEVICE_BLOCKS = 512  # the calibration worker's pool (block tables of every case fit)
@@ -366,76 +353,6 @@ async def _measure(quick: bool, timeout_s: float) -> dict[str, Any]:
         tmp.cleanup()
 
 
-SERVING_RATE = 4.32  # req/s of the serving run: 1.5x this machine's saturation (module doc)
-SERVING_DURATION_S = 30  # long enough for the batches of a backlog, not only its start
-
-
-def serving_run(rate: float) -> list[str]:
-    return ["--policies", "lvf", "--rates", f"{rate:g}", "--duration", str(SERVING_DURATION_S),
-            "--seed", "12345"]
-
-
-def measure_serving(hw_isolated: Any, timeout_s: float,
-                    rate: float = SERVING_RATE) -> dict[str, Any]:
-    """How much slower the worker runs inside the serving stack than alone.
-
-    A short `superinfer bench experiment` (its own seed, not the experiments' default)
-    runs the whole stack; the simulator replays that run on the isolated profile and the
-    execution cost is scaled until its mean time per batch equals the one the scheduler
-    measured (`fidelity.real_batch_s`: the worker's own time when pipelined, the Execute
-    RPC's wall time when serial). Also the stack's own per-batch transfer cost.
-    """
-    import subprocess
-
-    from superinfer.sim import fidelity
-
-    run = serving_run(rate)
-    with tempfile.TemporaryDirectory(prefix="superinfer-calibrate-serve-") as d:
-        argv = [sys.executable, "-m", "superinfer.cli", "bench", "experiment", *run,
-                "--out", d, "--startup-timeout", str(timeout_s)]
-        print("calibrate: serving run (`bench experiment "
-              + " ".join(run) + "`) …", file=sys.stderr, flush=True)
-        done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"the serving run failed ({done.returncode}):\n"
-                               + done.stdout[-2000:])
-        data = fidelity.load_experiment(Path(d) / "results.json")
-    config, real = data["config"], data["results"][0]
-    m = real["stats"]["server_metrics_delta"]
-
-    def g(key: str) -> float:
-        return scheduler_stat(m, key) or 0.0
-
-    executes = g("executes")
-    if not executes:
-        raise RuntimeError("the serving run executed no batch")
-    ec, transfer = fidelity.engine_config(config, real["policy"])
-    real_mean = fidelity.real_batch_s(g("execute_s"), g("execute_rpc_s"), executes,
-                                      ec.pipeline)
-    assert real_mean is not None
-    cfg = SimConfig.from_engine(ec, **transfer)
-    spec, trace = fidelity.trace_for(config, float(real["rps"]))
-    k, res = fidelity.match_execute(hw_isolated, load_model("smollm2-135m"), ec.policy, cfg,
-                                    trace, spec.trace_duration_s, real_mean)
-    transfers = g("transfers")
-    plan = ((g("transfer_s") - max(g("kvmem_d2h_s"), g("kvmem_h2d_s"))) / transfers
-            if transfers else None)
-    return {
-        "command": "superinfer bench experiment " + " ".join(run),
-        "requests": real.get("requests"), "executes": int(executes),
-        "mean_batch_s": real_mean, "pipelined": ec.pipeline,
-        "mean_execute_rpc_s": g("execute_rpc_s") / executes,
-        "mean_worker_execute_s": g("execute_s") / executes,
-        "execute_rpc_overhead_s": (g("execute_rpc_s") - g("execute_s")) / executes,
-        "transfers": int(transfers), "plan_overhead_s": plan,
-        "slowdown": k, "load_average_at_start": data["machine"].get("load_average_at_start"),
-        "sim_mean_execute_s_isolated_profile": fidelity.mean_execute_s(
-            Simulator(hw_isolated, load_model("smollm2-135m"), ec.policy, cfg).run(
-                trace, spec.trace_duration_s).stats),
-        "sim_mean_execute_s_scaled": fidelity.mean_execute_s(res.stats),
-    }
-
-
 def _threads() -> str:
     return os.environ.get("OMP_NUM_THREADS") or f"torch default ({os.cpu_count()} CPUs)"
 
@@ -456,7 +373,10 @@ def warn_block_bytes(pool_block_bytes: int, block_size: int, kv_dtype: str) -> b
 
 
 def calibrate(out: Path | None = None, quick: bool = False, timeout_s: float = 300.0,
-              serving: bool = True, serving_rate: float = SERVING_RATE) -> Path:
+              serving: Callable[[HardwareProfile, float], dict[str, Any]] | None = None) -> Path:
+    """Measure this machine and write the profile. `serving`, where given, measures the
+    worker's slowdown inside the whole stack against the isolated profile (the
+    experiments folder's `calibrate-serving` does); the profile is scaled by it."""
     load_start = os.getloadavg() if hasattr(os, "getloadavg") else (math.nan,) * 3
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     t0 = time.monotonic()
@@ -544,8 +464,8 @@ def calibrate(out: Path | None = None, quick: bool = False, timeout_s: float = 3
         with tempfile.TemporaryDirectory() as d:
             iso = Path(d) / "cpu-local-isolated.json"
             iso.write_text(json.dumps(profile))
-            srv = measure_serving(load_hardware(str(iso)), timeout_s, serving_rate)
-        _apply_serving(profile, srv, started)
+            srv = serving(load_hardware(str(iso)), timeout_s)
+        apply_serving(profile, srv, started)
     profile["calibration"]["wall_s"] = round(time.monotonic() - t0, 1)
     profile["calibration"]["load_average_end"] = [
         round(x, 2) for x in (os.getloadavg() if hasattr(os, "getloadavg") else (math.nan,) * 3)]
@@ -557,7 +477,7 @@ def calibrate(out: Path | None = None, quick: bool = False, timeout_s: float = 3
     return path
 
 
-def _apply_serving(profile: dict[str, Any], srv: dict[str, Any], started: str) -> None:
+def apply_serving(profile: dict[str, Any], srv: dict[str, Any], started: str) -> None:
     """Scale the execution cost by the in-stack slowdown; the stack's own batch cost."""
     k = srv["slowdown"]
     profile["calibration"]["serving"] = srv

@@ -4,7 +4,6 @@
         --rps 5,8,11,14,17,20 --duration 120 --policies lvf,swapped-first,waiting-first,fcfs \\
         --json out.json --plot out.png
     superinfer sim calibrate            # measure this machine -> profiles/hardware/cpu-local.json
-    superinfer sim fidelity --experiment results.json   # vs the real stack (bench experiment)
 
 A policy entry may carry per-run overrides, e.g. `lvf:xfer=300:layout=layer-first:duplex=off:
 eager=0:label=lvf-vllm-offload` (keys: alpha, beta_b, beta_f, stall, xfer, min_res, margin, eager,
@@ -22,8 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from common.config import optional_float
-from superinfer.argtypes import rate, rates
-from superinfer.sim import fidelity
+from superinfer.argtypes import rates
 from superinfer.sim.cost import LAYOUTS
 from superinfer.sim.engine import (
     AUTO,
@@ -75,18 +73,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--out", default=None,
                    help="where to write the profile (default: the bundled cpu-local.json)")
     c.add_argument("--quick", action="store_true", help="fewer repetitions (a rough profile)")
-    c.add_argument("--serving", action=argparse.BooleanOptionalAction, default=True,
-                   help="also measure the worker's slowdown inside the serving stack with a "
-                        "short `bench experiment` (about a minute) and scale the profile by it")
-    c.add_argument("--serving-rate", type=rate, default=None, metavar="RPS",
-                   help="the serving run's request rate (default 4.32: the load the real "
-                        "stack's experiments run at on this machine; calibrate.py's doc)")
     c.set_defaults(func=_calibrate)
-    f = ssub.add_parser("fidelity", help="the simulator vs the real stack on a `bench experiment`",
-                        description=fidelity.__doc__,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    fidelity.add_arguments(f)
-    f.set_defaults(func=fidelity.run)
 
 
 def _budget(text: str) -> int | None:
@@ -357,11 +344,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from superinfer.sim.calibrate import SERVING_RATE, calibrate
+    from superinfer.sim.calibrate import calibrate
 
     out = Path(args.out) if args.out else None
-    serving_rate = SERVING_RATE if args.serving_rate is None else args.serving_rate
-    path = calibrate(out, quick=args.quick, serving=args.serving, serving_rate=serving_rate)
+    path = calibrate(out, quick=args.quick)
     print(f"wrote {path}")
     return 0
 

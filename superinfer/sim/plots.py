@@ -1,4 +1,4 @@
-"""The attainment-vs-rate figure shared by `sim`, `sim fidelity` and `bench serve`:
+"""The attainment-vs-rate figure shared by `sim`, the fidelity study and `bench serve`:
 TTFT and TBT SLO attainment side by side (like the paper's Fig. 16)."""
 
 from __future__ import annotations
