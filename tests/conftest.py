@@ -9,6 +9,7 @@ CPU tensors in tests (worker/cuda/kernels.py). A GPU run sets TRITON_INTERPRET=0
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,3 +31,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is false)")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def shared_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """One real four-service stack for the modules that test what its clients notice
+    (tests/stack.py); started on first use, stopped at the end of the session."""
+    from tests.stack import start_stack
+
+    with start_stack(tmp_path_factory.mktemp("shared-stack")) as s:
+        yield s

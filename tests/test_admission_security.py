@@ -40,7 +40,8 @@ from common.daemon import free_port
 from proto import client_pb2, client_pb2_grpc, common_pb2
 from superinfer.probes import grpc_probe, http_probe
 from superinfer.supervisor import ServiceSpec, Supervisor
-from tests.test_gateway import CHILD_ENV, STARTUP_TIMEOUT_S, _environment
+from tests.stack import CHILD_ENV, STARTUP_TIMEOUT_S
+from tests.stack import environment as _environment
 
 LIMIT = 16  # --max-queued-requests
 MAX_BODY = 64 << 10  # --max-body-bytes

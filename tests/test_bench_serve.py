@@ -22,11 +22,14 @@ from superinfer.bench.serve.runner import metrics_url
 from superinfer.bench.serve.stream import SSEReader, StreamOutcome, error_body_message
 from superinfer.cli import main as cli_main
 from superinfer.slo_metrics import compute_metrics
-from tests import test_gateway
-from tests.test_gateway import Stack
+from tests.stack import Stack
 
-# test_gateway's module-scoped fixture: one real stack, started for this module's tests.
-stack = test_gateway.stack
+
+@pytest.fixture
+def stack(shared_stack: Stack) -> Stack:
+    """The session's stack (tests/stack.py, conftest.py), which test_gateway uses too."""
+    return shared_stack
+
 
 SHAREGPT = [
     {"id": "a", "conversations": [

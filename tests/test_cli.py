@@ -72,3 +72,21 @@ def test_generate_prints_text() -> None:
                  "--dtype", "float32")
     assert p.returncode == 0, p.stderr
     assert "Paris" in p.stdout
+
+
+def test_the_light_services_never_import_torch() -> None:
+    """The supervisor, gateway and scheduler import only what they use: parsing any
+    command's flags and importing those services' modules loads no torch (which would map
+    ~400 MB into each process)."""
+    code = (
+        "import sys\n"
+        "from superinfer.cli import build_parser\n"
+        "for cmd in ('serve', 'scheduler', 'gateway', 'worker', 'kvmem'):\n"
+        "    build_parser([cmd]).parse_args([cmd])\n"
+        "import superinfer.supervisor, superinfer.services_cli, gateway.server, gateway.app\n"
+        "import scheduler_svc.service, scheduler_svc.loop\n"
+        "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+        "print(len(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "0", out.stdout + out.stderr

@@ -10,15 +10,8 @@ X-Request-ID travelling into the gateway's and the scheduler's logs.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -27,153 +20,16 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.daemon import free_port
 from proto import client_pb2, client_pb2_grpc, common_pb2
-from superinfer.probes import grpc_probe, http_probe
-from superinfer.supervisor import ServiceSpec, Supervisor
-
-DEVICE_BLOCKS = 256
-MAX_TOKENS = 16
-STARTUP_TIMEOUT_S = 240.0
-# One torch thread per process: the reference and the worker run side by side on a small
-# shared CPU, where OpenMP threads that wait on each other make every step many times
-# slower. Same setting on both sides, so the greedy tokens are computed alike.
-CHILD_ENV = {"OMP_NUM_THREADS": "1"}
-
-PLAIN_PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, in a land far away, there lived a",
-    "1, 2, 3, 4, 5,",
-    "def add(a, b):",
-    "The quick brown fox",
-    "Water boils at a temperature of",
-    "My favourite colour is",
-    "In the beginning",
-]
-CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
-
-# The reference: `superinfer generate`'s engine, in its own process, same prompts, greedy.
-_REFERENCE_SCRIPT = """
-import json, sys
-from scheduler_svc.request import SamplingParams
-from common.config import EngineConfig
-from superinfer.engine import LLMEngine
-spec = json.load(sys.stdin)
-engine = LLMEngine(EngineConfig(device_blocks=512, host_blocks=0))
-out = {}
-for kind, chat in (("plain", False), ("chat", True)):
-    ids = [engine.encode_prompt(p, chat=chat) for p in spec[kind]]
-    res = engine.generate(ids, SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0))
-    out[kind] = [{"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
-                  "prompt_ids": r.prompt_token_ids, "prompt_tokens": len(r.prompt_token_ids)}
-                 for r in res]
-print(json.dumps(out))
-"""
+from tests.stack import CHAT_PROMPTS, DEVICE_BLOCKS, MAX_TOKENS, PLAIN_PROMPTS, Stack
 
 
-@dataclass
-class Stack:
-    run_dir: Path
-    http_url: str
-    grpc_addr: str
-    scheduler_addr: str
-    model: str
-    reference: dict[str, list[dict[str, Any]]]
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.http_url}/v1", api_key="unused", max_retries=0,
-                             http_client=httpx.Client(trust_env=False, timeout=120))
-
-    def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.http_url}/v1", api_key="unused", max_retries=0,
-                                  http_client=httpx.AsyncClient(trust_env=False, timeout=300))
-
-    def http(self) -> httpx.Client:
-        return httpx.Client(base_url=self.http_url, trust_env=False, timeout=120)
-
-    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        with self.http() as h:
-            text = h.get("/metrics").text
-        return {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text)
-            for s in fam.samples
-        }
-
-
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@contextlib.contextmanager
-def start_stack(run_dir: Path, reference_script: str, reference_stdin: str, device_blocks: int,
-                host_blocks: int, trace: bool = False) -> Iterator[Stack]:
-    """worker + kvmem + scheduler + gateway under a Supervisor, and beside them (started
-    first, so that it runs while the services load) the in-process reference: a script
-    that reads reference_stdin and prints one JSON line, Stack.reference."""
-    ports = {name: free_port() for name in ("worker", "kvmem", "scheduler", "http", "grpc")}
-    addr = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
-    ref_out, ref_err = run_dir / "reference-out.json", run_dir / "reference.err"
-    with ref_out.open("w") as stdout, ref_err.open("w") as stderr:
-        reference_proc = subprocess.Popen([sys.executable, "-c", reference_script],
-                                          stdin=subprocess.PIPE, stdout=stdout, stderr=stderr,
-                                          env={**os.environ, **CHILD_ENV}, text=True)
-        assert reference_proc.stdin is not None
-        reference_proc.stdin.write(reference_stdin)
-        reference_proc.stdin.close()
-    cli = [sys.executable, "-m", "superinfer.cli"]
-    common = ["--run-dir", str(run_dir), "--host", "127.0.0.1"]
-    traced = ["--trace", str(run_dir / "scheduler.trace.json")] if trace else []
-    specs = [
-        ServiceSpec("worker", [*cli, "worker", *common, "--port", str(ports["worker"]),
-                               "--device-blocks", str(device_blocks)], grpc_probe(addr["worker"])),
-        ServiceSpec("kvmem", [*cli, "kvmem", *common, "--port", str(ports["kvmem"]),
-                              "--host-blocks", str(host_blocks)], grpc_probe(addr["kvmem"])),
-        ServiceSpec("scheduler", [*cli, "scheduler", *common, "--port", str(ports["scheduler"]),
-                                  "--worker-addr", addr["worker"], "--kvmem-addr", addr["kvmem"],
-                                  *traced],
-                    grpc_probe(addr["scheduler"])),
-        ServiceSpec("gateway", [*cli, "gateway", *common, "--port", str(ports["http"]),
-                                "--grpc-port", str(ports["grpc"]),
-                                "--scheduler-addr", addr["scheduler"]],
-                    http_probe(f"http://{addr['http']}/health")),
-    ]
-    sup = Supervisor(run_dir)
-    try:
-        with _environment(CHILD_ENV):  # the Supervisor hands its own environment on
-            for spec in specs:
-                sup.start(spec, STARTUP_TIMEOUT_S)
-        assert reference_proc.wait(timeout=STARTUP_TIMEOUT_S) == 0, ref_err.read_text()[-3000:]
-        reference = json.loads(ref_out.read_text().strip().splitlines()[-1])
-        with httpx.Client(trust_env=False) as h:
-            model = h.get(f"http://{addr['http']}/v1/models").json()["data"][0]["id"]
-        yield Stack(run_dir, f"http://{addr['http']}", addr["grpc"], addr["scheduler"], model,
-                    reference)
-    finally:
-        if reference_proc.poll() is None:
-            reference_proc.kill()
-            reference_proc.wait()
-        sup.stop_all()
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    spec = {"plain": PLAIN_PROMPTS, "chat": CHAT_PROMPTS, "max_tokens": MAX_TOKENS}
-    with start_stack(tmp_path_factory.mktemp("gateway-stack"), _REFERENCE_SCRIPT,
-                     json.dumps(spec), DEVICE_BLOCKS, 512, trace=True) as s:
-        yield s
+# The session's shared stack (tests/stack.py): its reference holds this module's greedy
+# outputs under "plain" and "chat".
+@pytest.fixture
+def stack(shared_stack: Stack) -> Stack:
+    """The session's stack (tests/stack.py, conftest.py)."""
+    return shared_stack
 
 
 def _error(resp: httpx.Response) -> dict[str, Any]:

@@ -499,3 +499,48 @@ def test_sampling_defaults_and_limits() -> None:
     with pytest.raises(Exception) as e:
         sampling_params(Sampling(), prompt_len=100, max_model_len=100)
     assert getattr(e.value, "code", None) == "context_length_exceeded"
+
+
+def test_unset_sampling_fields_take_the_models_generation_config(tmp_path: Path) -> None:
+    """As vLLM's --generation-config auto: the model's generation_config.json fills the
+    fields a request leaves unset, and only those; `vllm` keeps OpenAI's; /v1/models says
+    which are in force."""
+    model_dir = _tiny_model_dir(tmp_path / "tiny")
+    (model_dir / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.3, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.1,
+         "eos_token_id": 256}))
+
+    async def auto(c: httpx.AsyncClient, stub: ScriptedScheduler) -> None:
+        r = await c.get("/v1/models")
+        d = r.json()["data"][0]["generation_defaults"]
+        assert (d["temperature"], d["top_p"], d["top_k"]) == (0.3, 0.8, 20)
+        assert d["source"].endswith("generation_config.json")
+        await c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2})
+        s = stub.requests[-1].sampling
+        assert (s.temperature, s.top_p, s.top_k) == pytest.approx((0.3, 0.8, 20))
+        assert s.repetition_penalty == pytest.approx(1.1)
+        await c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2, "temperature": 0.9,
+                                              "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0})
+        s = stub.requests[-1].sampling
+        assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty) == pytest.approx(
+            (0.9, 1.0, 0, 1.0))
+
+    async def vllm(c: httpx.AsyncClient, stub: ScriptedScheduler) -> None:
+        await c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2})
+        s = stub.requests[-1].sampling
+        assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty) == (1.0, 1.0, 0, 1.0)
+
+    _run(tmp_path, auto)
+    _run(tmp_path, vllm, generation_config="vllm")
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))
+
+    async def mine(c: httpx.AsyncClient, stub: ScriptedScheduler) -> None:
+        await c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2})
+        assert stub.requests[-1].sampling.temperature == 0.0
+        assert stub.requests[-1].sampling.top_p == 1.0  # not in that file: OpenAI's
+
+    _run(tmp_path, mine, generation_config=str(folder))
+    with pytest.raises(ValueError, match="generation_config.json"):
+        GatewaySettings(generation_config=str(tmp_path / "nowhere"))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -20,41 +19,20 @@ import openai
 import pytest
 
 from proto import client_pb2, client_pb2_grpc, common_pb2
-from tests.test_gateway import Stack, _error, start_stack
+from tests.stack import FEATURES_PROMPT, Stack
+from tests.test_gateway import _error
 from tests.test_gateway import _wait_all_blocks_free as wait_all_blocks_free
 
-PROMPT = "The capital of France is Paris. The capital of Germany is"
+PROMPT = FEATURES_PROMPT
 LOGPROB_TOL = 1e-3  # the served batch differs from the reference's: other matmul shapes
-
-# The reference: the in-process engine, greedy, with logprobs and echo.
-_REFERENCE_SCRIPT = """
-import json, sys
-from scheduler_svc.request import SamplingParams
-from common.config import EngineConfig
-from superinfer.engine import LLMEngine
-prompt = sys.stdin.read()
-engine = LLMEngine(EngineConfig(device_blocks=256, host_blocks=0))
-ids = engine.encode_prompt(prompt)
-sp = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, prompt_logprobs=True)
-r = engine.generate([ids], sp)[0]
-pen = engine.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, frequency_penalty=1.5,
-                                            presence_penalty=0.5, repetition_penalty=1.2))[0]
-lps = lambda xs: [[x.token_id, x.logprob, x.top_ids, x.top_logprobs] for x in xs]
-print(json.dumps({"prompt_ids": ids, "token_ids": r.token_ids, "text": r.text,
-                  "logprobs": lps(r.logprobs), "prompt_logprobs": lps(r.prompt_logprobs),
-                  "penalized": pen.token_ids, "penalized_text": pen.text}))
-"""
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with start_stack(tmp_path_factory.mktemp("openai-stack"), _REFERENCE_SCRIPT, PROMPT,
-                     device_blocks=512, host_blocks=256) as s:
-        yield s
+@pytest.fixture
+def stack(shared_stack: Stack) -> Stack:
+    """The session's stack (tests/stack.py, conftest.py)."""
+    return shared_stack
 
 
 def _ref(stack: Stack) -> dict[str, Any]:
-    return stack.reference  # type: ignore[return-value]
+    return dict(stack.reference["features"])
 
 
 # -- logprobs -----------------------------------------------------------------------------

@@ -259,6 +259,26 @@ def test_undisturbed_reference(serve: Serve, reference: dict[str, str]) -> None:
     assert_clean(serve)
 
 
+def test_only_the_worker_and_kvmem_load_torch(serve: Serve) -> None:
+    """Under serve, after a load: the supervisor, gateway and scheduler compute no tensor,
+    so none maps libtorch, and each stays light (<= 150 MB resident)."""
+    pids = {name: serve.pid(name) for name in ("gateway", "scheduler", "worker", "kvmem")}
+    pids["supervisor"] = serve.proc.pid
+
+    def mapped(pid: int) -> bool:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+    def rss_mb(pid: int) -> float:
+        line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines()
+                    if x.startswith("VmRSS:"))
+        return int(line.split()[1]) / 1024
+
+    for name in ("supervisor", "gateway", "scheduler"):
+        assert not mapped(pids[name]), f"{name} maps libtorch"
+        assert rss_mb(pids[name]) <= 150, f"{name}: {rss_mb(pids[name]):.0f} MB resident"
+    assert mapped(pids["worker"]) and mapped(pids["kvmem"])
+
+
 def test_kill_worker_then_kvmem_under_load(serve: Serve, reference: dict[str, str]) -> None:
     old_segment = serve.note_segment()
     times: dict[str, float] = {}
