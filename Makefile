@@ -31,16 +31,19 @@ generate-demo: venv
 	$(BIN)/superinfer generate --prompt "$(PROMPT)" --chat
 
 # One torch thread per process in tests: the suite runs several model processes at once
-# on a 2-core machine, where OpenMP threads spin against each other (10x slower).
+# on a 2-core machine, where OpenMP threads spin against each other (10x slower). Two
+# pytest workers (xdist) keep both cores busy; conftest.py keeps each module on one worker.
 # The executor's C++ kernels are built first, once (~1 min; cached), so that the tests'
 # processes load them instead of waiting on one build (a failed build: the torch path).
 test: venv
 	-$(BIN)/python -m worker.kernels
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests experiments/tests -m "not slow" --durations=20
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests experiments/tests -m "not slow" \
+	    -n 2 --dist loadgroup --durations=20
 
 test-all: venv
 	-$(BIN)/python -m worker.kernels
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests experiments/tests --durations=20
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests experiments/tests \
+	    -n 2 --dist loadgroup --durations=20
 
 # docs/cli.md from the parser (tests/test_cli_doc.py fails while it is stale).
 cli-doc: venv

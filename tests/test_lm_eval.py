@@ -39,6 +39,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]
     port = free_port()
     cmd = [sys.executable, "-m", "superinfer.cli", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--grpc-port", str(free_port()), "--run-dir", str(run_dir),
+           "--scheduler-port", str(free_port()), "--worker-port", str(free_port()),
+           "--kvmem-port", str(free_port()),
            "--device-blocks", "256", "--host-blocks", "256", "--max-restarts", "0",
            # fp32 weights, as the hf backend's: the comparison is of the serving surface
            # (the quantized formats' quality: `python -m experiments quality`)
