@@ -17,8 +17,8 @@ policy, each LVF >= every baseline (ties within `TIE_POINTS`), and LVF's batch-c
 `--seeds 0,1,2` runs every cell once per seed and reports, per cell and metric, the spread
 (max - min) over the seeds: the noise a change must beat. The table shows the first seed.
 Writes `<out>/must_show.md`, `<out>/must_show.json` (the checks and every policy's row per
-cell and seed) and the raw `sim` JSON per cell and seed. `--compare OTHER.json` says which
-cells differ from another run's must_show.json, value for value (a refactoring that keeps
+cell and seed) and the raw `sim` JSON per cell and seed. `--compare OTHER_OUT` lists every
+simulated value that differs from another run's output folder (a refactoring that keeps
 behaviour must show none).
 """
 
@@ -66,8 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=int, default=2, help="simulations in parallel")
     p.add_argument("--policies", default=",".join(POLICIES),
                    help="the policies to run (the checks need all four)")
-    p.add_argument("--compare", default=None, metavar="OTHER.json",
-                   help="another run's must_show.json: list every value that differs")
+    p.add_argument("--compare", default=None, metavar="OTHER_OUT",
+                   help="another run's output folder: list every simulated value that differs "
+                        "(exit 1 if any)")
     p.add_argument("--check-only", action="store_true",
                    help="re-check the sim JSON already in --out, run nothing")
 
@@ -173,16 +174,35 @@ def table(report: dict[str, Any], seeds: list[int]) -> str:
     return "\n".join(lines)
 
 
-def compare(report: dict[str, Any], other_path: str) -> list[str]:
-    other = json.loads(Path(other_path).read_text())["cells"]
+WALL_CLOCK = ("decision_s_total", "decision_s_max", "wall_s")  # differ run to run
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    rows = json.loads(path.read_text())["results"]
+    for r in rows:
+        for k in WALL_CLOCK:
+            r.get("stats", {}).pop(k, None)
+    return list(rows)
+
+
+def compare(out: Path, other: Path, cells: list[str], seeds: list[int]) -> list[str]:
+    """Every simulated row of this run against another run's (its output folder), value
+    for value, where both have the (cell, seed); the scheduler's own wall-clock times aside."""
     diffs = []
-    for key in sorted(set(report) | set(other)):
-        a, b = report.get(key), other.get(key)
-        if a is None or b is None:
-            diffs.append(f"{key}: only in {'this run' if b is None else other_path}")
-        elif a["attainment_per_seed"] != b["attainment_per_seed"] or \
-                a.get("goodput") != b.get("goodput"):
-            diffs.append(f"{key}: {a['attainment_per_seed']} vs {b['attainment_per_seed']}")
+    for name in cells:
+        for seed in seeds:
+            mine, theirs = out / f"{name}.seed{seed}.json", other / f"{name}.seed{seed}.json"
+            if not theirs.exists():
+                diffs.append(f"{name} seed {seed}: not in {other}")
+                continue
+            a, b = _rows(mine), _rows(theirs)
+            for ra, rb in zip(a, b, strict=False):
+                if ra != rb:
+                    keys = sorted(k for k in set(ra) | set(rb) if ra.get(k) != rb.get(k))
+                    diffs.append(f"{name} seed {seed} {ra.get('policy')} @ {ra.get('rps')}: "
+                                 f"{', '.join(keys)} differ")
+            if len(a) != len(b):
+                diffs.append(f"{name} seed {seed}: {len(a)} rows against {len(b)}")
     return diffs
 
 
@@ -208,8 +228,8 @@ def run(args: argparse.Namespace) -> int:
         indent=1) + "\n")
     print(text)
     if args.compare:
-        diffs = compare(report, args.compare)
-        print(f"\n{len(diffs)} cells differ from {args.compare}")
+        diffs = compare(out, Path(args.compare), cells, seeds)
+        print(f"\n{len(diffs)} differences from {args.compare}")
         for d in diffs:
             print("  " + d)
         return 1 if diffs else 0
