@@ -9,6 +9,7 @@ model (tests/test_sampling_features.py checks that engine against a plain forwar
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 from typing import Any
@@ -18,6 +19,8 @@ import jsonschema
 import openai
 import pytest
 
+from common.modelfile import resolve_model
+from common.tokenizer import Tokenizer
 from proto import client_pb2, client_pb2_grpc, common_pb2
 from tests.stack import FEATURES_PROMPT, Stack
 from tests.test_gateway import _error
@@ -183,20 +186,49 @@ def test_penalties_equal_the_engines(stack: Stack) -> None:
     assert r.choices[0].text == ref["penalized_text"]
 
 
+@functools.cache
+def _ids_by_token_string() -> dict[str, list[int]]:
+    """The bundled model's token ids by the string a completion's logprobs show for each."""
+    tok = Tokenizer.from_source(resolve_model(None))
+    out: dict[str, list[int]] = {}
+    for i in range(tok.backend.get_vocab_size()):
+        out.setdefault(tok.decode([i]), []).append(i)
+    return out
+
+
+def _token_ids(tokens: list[str]) -> list[int]:
+    """The ids behind a completion's logprobs.tokens (each string one id's, checked)."""
+    ids = []
+    for t in tokens:
+        [i] = _ids_by_token_string()[t]  # an ambiguous string would not name the id
+        ids.append(i)
+    return ids
+
+
 def test_logit_bias_bans_and_forces(stack: Stack) -> None:
     ref = _ref(stack)
-    first = ref["token_ids"][0]
-    banned = stack.client().completions.create(model=stack.model, prompt=PROMPT, max_tokens=1,
+    first, *_ = ref["token_ids"]
+    [_, _, top_ids, top_logprobs] = ref["logprobs"][0]
+    assert top_ids[0] == first and top_logprobs[1] > top_logprobs[2] + LOGPROB_TOL
+    banned = stack.client().completions.create(model=stack.model, prompt=PROMPT, max_tokens=8,
                                                temperature=0, logprobs=0,
-                                               logit_bias={str(first): -100})
-    # The model's own logprob of the new token is lower than the banned one's.
-    assert banned.choices[0].logprobs.token_logprobs[0] < ref["logprobs"][0][1]
-    forced = stack.client().completions.create(model=stack.model, prompt=PROMPT, max_tokens=3,
+                                               logit_bias={str(first): -100},
+                                               extra_body={"ignore_eos": True})
+    lp = banned.choices[0].logprobs
+    assert lp is not None and banned.usage and banned.usage.completion_tokens == 8
+    got = _token_ids(lp.tokens)
+    assert first not in got, got  # never, at any position
+    assert got[0] == top_ids[1]  # greedy takes the model's runner-up instead
+    # The logprob is the model's own: the runner-up's, below the banned token's.
+    assert abs(lp.token_logprobs[0] - top_logprobs[1]) <= LOGPROB_TOL
+    forced = stack.client().completions.create(model=stack.model, prompt=PROMPT, max_tokens=4,
                                                temperature=1.0, seed=1,
                                                logit_bias={"1000": 100}, logprobs=0,
                                                extra_body={"ignore_eos": True})
-    assert forced.usage.completion_tokens == 3
-    assert len(set(forced.choices[0].logprobs.tokens)) == 1
+    lp = forced.choices[0].logprobs
+    assert lp is not None and forced.usage and forced.usage.completion_tokens == 4
+    assert _token_ids(lp.tokens) == [1000] * 4  # sampled at temperature 1, every time
+    assert forced.choices[0].text == "".join(lp.tokens)
 
 
 # -- structured outputs -------------------------------------------------------------------
@@ -366,12 +398,10 @@ BAD: list[tuple[str, str, dict[str, Any], str, str | None]] = [
     (C, "logit_bias key not an id", {"prompt": "x", "logit_bias": {"hello": 1}}, "logit_bias", None),
     (C, "logit_bias id out of vocab", {"prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias",
      None),
-    (C, "logprobs above 20", {"prompt": "x", "logprobs": 21}, "logprobs", None),
     (CHAT, "top_logprobs above 20", {"messages": MSG, "logprobs": True, "top_logprobs": 21},
      "top_logprobs", None),
     (CHAT, "top_logprobs without logprobs", {"messages": MSG, "top_logprobs": 2}, "top_logprobs",
      None),
-    (C, "n above 32", {"prompt": "x", "n": 33}, "n", None),
     (C, "best_of below n", {"prompt": "x", "n": 3, "best_of": 2}, "best_of", None),
     (C, "best_of streamed", {"prompt": "x", "n": 1, "best_of": 2, "stream": True}, "best_of", None),
     (CHAT, "bad json schema", {"messages": MSG, "response_format": {

@@ -191,14 +191,42 @@ def test_host_tier_serves_a_prefix_the_device_tier_evicted() -> None:
 
 
 def test_host_tier_eviction_is_lru_and_never_takes_a_referenced_copy() -> None:
-    e = Stepper(device=12, host=10, eager=16)
-    rng = random.Random(2)
-    for i in range(12):
-        e.add(f"r{i}", [rng.randrange(1000) for _ in range(rng.randint(8, 30))], 8)
-        e.run()
-    e.check()
+    """The host tier holds three prompts' copies; the least recently used goes first, a copy
+    used again moves to the back, and the oldest copies survive while a request holds them."""
+    e = Stepper(device=64, host=6, eager=16)  # a roomy device tier: only the host evicts
     bm = e.sched.bm
-    assert bm.num_cached_host > 0 and bm.num_free_host == 10
+    prompts = {k: list(range(base, base + 9)) for k, base in
+               (("a", 100), ("b", 200), ("c", 300), ("d", 400), ("e", 500))}  # 2 full blocks
+
+    def cached(k: str) -> bool:
+        """Whether the host tier still has prompt k's two full blocks, by name."""
+        names, parent = [], root_hash("")
+        for i in range(2):
+            parent = chain_hash(parent, prompts[k][i * BS:(i + 1) * BS])
+            names.append(parent)
+        found = [h in bm.host_cache.by_hash for h in names]
+        assert found[0] == found[1], f"{k}: half evicted"
+        return found[0]
+
+    for k in "abc":  # released in the order a, b, c: the host tier is then full
+        e.add(k, prompts[k], 2)
+        e.run()
+    assert bm.host.num_free == 0 and all(cached(k) for k in "abc")
+    e.add("a again", prompts["a"], 2)  # uses a's copies: a is now the most recently used
+    e.run()
+    e.add("d", prompts["d"], 2)  # needs two host blocks: b's go, not a's (released first)
+    e.run()
+    assert not cached("b") and cached("c") and cached("a") and cached("d")
+    e.add("e", prompts["e"], 2)  # then c's
+    e.run()
+    assert not cached("c") and cached("a") and cached("d") and cached("e")
+    # a's copies are now the oldest; a request holding them writes new blocks whose eager
+    # copies need room: d's go, a's stay.
+    e.add("a held", prompts["a"], 12)
+    e.run()
+    assert e.sched.stats.eager_blocks > 8
+    assert cached("a") and not cached("d") and cached("e")
+    e.check()  # and nothing read a block evicted under it
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)

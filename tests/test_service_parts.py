@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import stat
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -584,29 +583,3 @@ def test_supervisor_reports_a_child_that_dies_while_starting(tmp_path: Path) -> 
         sup.start(spec, timeout_s=30)
     assert "exited with code 3" in str(e.value) and "no model here" in e.value.tail
     sup.stop_all()
-
-
-def test_supervisor_stops_children_with_sigterm_then_sigkill(tmp_path: Path) -> None:
-    with socket.socket() as s:  # readiness = the child listens; like a health check
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    listen = (f"import socket,time; s=socket.socket(); s.bind(('127.0.0.1',{port})); s.listen(); "
-              "time.sleep(60)")
-    marker = tmp_path / "ignoring"
-    stubborn = ("import pathlib,signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                f"pathlib.Path({str(marker)!r}).touch(); time.sleep(60)")
-
-    def ready() -> bool:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return True
-        except OSError:
-            return False
-
-    sup = Supervisor(tmp_path, stop_timeout_s=1)
-    sup.start(ServiceSpec("polite", [sys.executable, "-c", listen], (ready, lambda: None)), 30)
-    sup.start(ServiceSpec("stubborn", [sys.executable, "-c", stubborn],
-                          (marker.exists, lambda: None)), 30)
-    procs = [c.proc for c in sup.children]
-    sup.stop_all()
-    assert procs[0].returncode == -15 and procs[1].returncode == -9

@@ -71,19 +71,38 @@ def test_without_a_policy_the_first_death_is_final(tmp_path: Path) -> None:
 
 
 def test_stop_all_stops_a_stage_together_and_kills_stragglers(tmp_path: Path) -> None:
-    sup = Supervisor(tmp_path, stop_timeout_s=0.5)
-    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
-    for name in ("a", "b"):
-        spec = _spec(name, stubborn, tmp_path)
-        spec.stop_stage = 1
-        sup.start(spec, 10)
-    time.sleep(0.3)  # let them install their handlers
-    procs = [c.proc for c in sup.children]
-    t0 = time.monotonic()
+    """Later stages first; a stage's children get SIGTERM together and share one timeout,
+    then SIGKILL; a child that exits on SIGTERM is never killed."""
+    sup = Supervisor(tmp_path, stop_timeout_s=1.5)
+    for name, ignore in (("polite", False), ("a", True), ("b", True)):
+        ready = tmp_path / f"{name}.ready"
+        # Ready (the supervisor's own readiness probe) only once its handler is in place.
+        handler = "signal.signal(signal.SIGTERM, signal.SIG_IGN); " if ignore else ""
+        code = (f"import pathlib, signal, time; {handler}"
+                f"pathlib.Path({str(ready)!r}).touch(); time.sleep(60)")
+        spec = ServiceSpec(name, [sys.executable, "-c", code],
+                           (ready.exists, lambda: None), tmp_path / f"{name}.pid")
+        spec.stop_stage = 1 if ignore else 0
+        sup.start(spec, 60)
+    procs = {c.spec.name: c.proc for c in sup.children}
+    sent: list[tuple[str, int, float]] = []  # (service, signal, when), as the children get them
+    for c in sup.children:
+        def record(sig: int, name: str = c.spec.name,
+                   send: Callable[[int], None] = c.proc.send_signal) -> None:
+            sent.append((name, sig, time.monotonic()))
+            send(sig)
+        c.proc.send_signal = record  # type: ignore[method-assign]  # Popen.kill sends through it
     sup.stop_all()
-    # Both got SIGTERM at once and share one timeout, then SIGKILL: ~0.5 s, not ~1 s.
-    assert time.monotonic() - t0 < 0.95
-    assert [p.returncode for p in procs] == [-signal.SIGKILL, -signal.SIGKILL]
+    # a and b got SIGTERM before either was killed; they ignore it, so both were killed;
+    # polite, in the earlier stage, was asked last and exited on SIGTERM alone.
+    assert [(n, s) for n, s, _ in sent] == [("a", signal.SIGTERM), ("b", signal.SIGTERM),
+                                            ("a", signal.SIGKILL), ("b", signal.SIGKILL),
+                                            ("polite", signal.SIGTERM)]
+    assert {n: p.returncode for n, p in procs.items()} == {
+        "polite": -signal.SIGTERM, "a": -signal.SIGKILL, "b": -signal.SIGKILL}
+    (_, _, term_a), _, (_, _, kill_a), (_, _, kill_b), _ = sent
+    assert kill_a - term_a >= sup.stop_timeout_s  # the stage got its timeout ...
+    assert kill_b - kill_a < sup.stop_timeout_s  # ... once: b did not wait a second one
     assert exit_reason(-9) == "killed by SIGKILL" and exit_reason(2) == "exited with code 2"
 
 
@@ -180,12 +199,15 @@ def test_a_stopped_service_is_killed_and_restarted(tmp_path: Path) -> None:
 
 def test_a_not_serving_service_is_alive(tmp_path: Path) -> None:
     """NOT_SERVING (draining, waiting for a peer) is an answer: never killed for it."""
-    sup = Supervisor(tmp_path, liveness_timeout_s=0.3, liveness_interval_s=0.05)
-    busy = _grpc_service("busy", lambda port: _health_server(port, "NOT_SERVING"))
+    # Silent for 1 s would kill it; the timer keeps the watch going three times as long.
+    # Each health check may take 2 s to answer, so a slow machine is not silence.
+    sup = Supervisor(tmp_path, liveness_timeout_s=1.0, liveness_interval_s=0.05)
+    busy = _grpc_service("busy", lambda port: _health_server(port, "NOT_SERVING"),
+                         timeout_s=2.0)
     assert busy.alive is not None
     busy.probe = busy.alive  # ready once it answers: its health says NOT_SERVING throughout
     sup.start(busy, 30)
-    sup.start(_spec("timer", "import time; time.sleep(2.0)", tmp_path), 10)
+    sup.start(_spec("timer", "import time; time.sleep(3.0)", tmp_path), 10)
     with structlog.testing.capture_logs() as logs:
         failed = sup.wait(poll_s=0.05)  # returns when the timer exits
     try:
