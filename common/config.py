@@ -26,7 +26,7 @@ KV_DTYPE_NAMES = ("auto", "float32", "bfloat16")  # auto: float32 with float32 w
 # at 1 it moved TTFT into TPOT (simulator: as many must-show cells failed, a different
 # set; real stack: better in two 2x pairs, worse in one; docs/results/rotasched/).
 PARK_COVER: float | None = None
-# LVF's --growth-room (RotationLimits.growth_room; Scheduler._rotation_needed says why a
+# LVF's --growth-room (RotationLimits.growth_room; policy/rotation.py says why a
 # half: the whole growth to the next finish left blocks idle and lengthened LVF's tail).
 GROWTH_ROOM = 0.5
 # LVF's --memory-margin (RotationLimits.memory_margin): how much more a candidate must lag
@@ -83,7 +83,7 @@ class EngineConfig:
     lazy_rotation: bool = True
     lazy_margin: float = 0.25  # ... with this share of the candidate's TTFT SLO to spare
     # ... and where none is needed, parked requests go ahead of new ones for as many seats
-    # as the new ones can spare (Scheduler._rotation_needed; off: measured there).
+    # as the new ones can spare (policy/rotation.py; off: measured there).
     parked_first: bool = False
     # LVF rotates a started request out for a candidate only where its slack covers this
     # many times the mean time parked requests have stayed parked (None: off).

@@ -6,7 +6,7 @@ simulated clock) each inject an `Executor` and a `TransferEngine` and call it; w
 add around it is their own: publishing tokens to streams and recovering from a lost peer,
 stop strings, arrivals and metrics.
 
-Two shapes of the step (`pipeline`):
+The step has two depths (`pipeline`), written in one function (`_step`):
 
 * serial (`--no-pipeline`, the baseline): plan t, copy its blocks, run its batch, apply
   its output. The worker idles while the scheduler plans and kvmem copies.
@@ -38,9 +38,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from common.contracts import ExecuteResult, TransferPlan, TransferResult
-from scheduler_svc.interfaces import Executor, SchedulerOutput, TransferEngine
-from scheduler_svc.scheduler import RequestEvent, Scheduler
-from scheduler_svc.trace import Trace, scheduler_load
+from scheduler_svc.interfaces import Executor, SchedulerInterface, SchedulerOutput, TransferEngine
+from scheduler_svc.scheduler_config import RequestEvent
+from scheduler_svc.trace import Trace
 
 
 @dataclass(slots=True)
@@ -108,14 +108,14 @@ class EngineCore:
 
     def __init__(
         self,
-        scheduler: Scheduler,
+        scheduler: SchedulerInterface,
         executor: Executor,
         transfers: TransferEngine,
         trace: Trace | None = None,
         timer: Callable[[], float] = time.perf_counter,
         pipeline: bool = False,
     ) -> None:
-        if pipeline and not scheduler.config.pipelined:
+        if pipeline and not scheduler.pipelined:
             raise ValueError("a pipelined step needs a scheduler built with pipelined=True")
         self.scheduler = scheduler
         self.executor = executor
@@ -151,10 +151,8 @@ class EngineCore:
         return out
 
     async def step(self) -> StepResult:
-        if not self.pipeline:
-            return await self._serial_step()
         try:
-            return await self._pipelined_step()
+            return await self._step()
         except BaseException:
             await self._stop_tasks()
             raise
@@ -164,105 +162,89 @@ class EngineCore:
         """No batch and no copies in flight."""
         return self._batch is None and self._after is None
 
-    # -- serial -------------------------------------------------------------------------------
-    async def _serial_step(self) -> StepResult:
-        sched = self.scheduler
+    async def _step(self) -> StepResult:
+        """The iteration, at pipeline depth 0 (serial) or 1 (pipelined): the module doc."""
+        sched, pipelined = self.scheduler, self.pipeline
+        await self._finish_after()  # planning must not hand out blocks those copies touch
+        # -- plan
         start = sched.clock()
         out = sched.schedule()
         plan = out.transfers
+        # -- transfer what the batch needs first: serial, the whole plan; pipelined, the
+        # swap-ins into free blocks (eager copies go beside the batch; rotate-outs and
+        # swap-ins into blocks the batch in flight reads, after it).
+        first = plan if not pipelined else (
+            plan.before_batch() if plan is not None and plan.swap_in else None)
+        late = (plan.after_batch() or None) if pipelined and plan is not None else None
         moved: TransferResult | None = None
         span: tuple[float, float] | None = None
-        if plan is not None:
+        if plan is not None and first is not None:
             t_start, t0 = sched.clock(), self.timer()
             try:
-                moved = await self._copy(plan)
+                moved = await self._copy(first)
             except BaseException:
-                self._unsure.append(plan)
+                self._give_up(plan)
                 raise
-            finally:
-                # Released even on failure: nothing copies any more (a peer is gone, or
-                # refused the batch), and recovery treats the batch's writes as lost.
-                sched.complete_transfer(plan.fence)
             span = (t_start, self._waited(t0))
+            if not pipelined:
+                sched.complete_transfer(plan.fence)  # all of its copies are done
+        # -- execute: serial, this batch; pipelined, launch it behind the one in flight
+        # (unless it reads blocks only the after-batch swap-ins fill: the scheduler defers
+        # the requests they are for) and take that one's output.
         result: ExecuteResult | None = None
-        if out.chunks:
-            self._charge_stall(out, worker_busy=False)
-            t0 = self.timer()
-            result = await self.executor.execute(out.iteration, out.chunks,
-                                                 released=out.released)
-            called = self.timer() - t0
-            self._executed(result, called, called)
-            self._idle_since = self.timer()
-        self._land(out, result or ExecuteResult(sampled={}))
-        self._trace(out, start, span, moved, result)
-        return StepResult(out, self.take_landed(), moved, result)
-
-    # -- pipelined ----------------------------------------------------------------------------
-    async def _pipelined_step(self) -> StepResult:
-        sched = self.scheduler
-        await self._finish_after()  # planning must not hand out blocks those copies touch
-        start = sched.clock()
-        out = sched.schedule()
-        plan = out.transfers
-        moved: TransferResult | None = None
-        span: tuple[float, float] | None = None
-        if plan is not None and plan.swap_in:
-            try:
-                t_start, t0 = sched.clock(), self.timer()
-                moved = await self._copy(plan.before_batch())
-                span = (t_start, self._waited(t0))
-            except BaseException:
-                self._unsure.append(plan)
-                sched.complete_transfer(plan.fence)
-                raise
-        return await self._pipelined_rest(out, start, moved, span)
-
-    async def _pipelined_rest(self, out: SchedulerOutput, start: float,
-                              moved: TransferResult | None,
-                              span: tuple[float, float] | None) -> StepResult:
-        """Launch batch t+1, start its eager copies, take batch t's output, start t+1's
-        after-batch copies."""
-        sched = self.scheduler
-        plan = out.transfers
-        late = plan.after_batch() if plan is not None else None
-        if not late:
-            late = None
         prev = self._batch
         after = prev.out.iteration if prev is not None else 0
-        # Batch t+1 queues behind t on the worker at once, unless it reads blocks that only
-        # the after-batch swap-ins fill (the scheduler defers the requests they are for).
         wait_for_copies = late is not None and _reads(out, late.swap_in)
-        busy = prev is not None and not prev.task.done()
-        self._batch = (self._launch(out, after, busy) if out.chunks and not wait_for_copies
-                       else None)
-        if plan is not None:
-            if plan.eager:
-                # Sent after the swap-ins and the batch: the transfer engine runs plans in
-                # order, so no batch waits behind these (DESIGN §5: eager copies are never
-                # on the critical path). The next plan waits for them (_finish_after).
-                self._start_copies(plan, plan.beside_batch())
-            elif late is None:
-                sched.complete_transfer(plan.fence)  # all of its copies are done
-        result: ExecuteResult | None = None
-        try:
-            if prev is not None:
+        if not pipelined:
+            if out.chunks:
+                self._charge_stall(out, worker_busy=False)
                 t0 = self.timer()
-                result = await prev.task
-                self._executed(result, self.timer() - prev.launched, self.timer() - t0)
-                self._land(prev.out, result)
-        except BaseException:
-            if late is not None and self._after is None and plan is not None:
-                # Its after-batch copies never start (copies in flight: _stop_tasks).
-                self._unsure.append(plan)
-                sched.complete_transfer(plan.fence)
-            raise
+                result = await self.executor.execute(out.iteration, out.chunks,
+                                                     released=out.released)
+                called = self.timer() - t0
+                self._executed(result, called, called)
+                self._idle_since = self.timer()
+            # -- update
+            self._land(out, result or ExecuteResult(sampled={}))
+        else:
+            busy = prev is not None and not prev.task.done()
+            self._batch = (self._launch(out, after, busy) if out.chunks and not wait_for_copies
+                           else None)
+            if plan is not None:
+                if plan.eager:
+                    # Sent after the swap-ins and the batch: the transfer engine runs plans in
+                    # order, so no batch waits behind these (DESIGN §5). The next plan waits
+                    # for them (_finish_after).
+                    self._start_copies(plan, plan.beside_batch())
+                elif late is None:
+                    sched.complete_transfer(plan.fence)  # all of its copies are done
+            try:
+                if prev is not None:
+                    t0 = self.timer()
+                    result = await prev.task
+                    self._executed(result, self.timer() - prev.launched, self.timer() - t0)
+                    # -- update (the batch before this one)
+                    self._land(prev.out, result)
+            except BaseException:
+                if late is not None and self._after is None and plan is not None:
+                    self._give_up(plan)  # its after-batch copies never start
+                raise
         if late is not None and plan is not None:
             self._start_copies(plan, late)
             if wait_for_copies and out.chunks:
-                await self._finish_after()  # batch t+1 reads those blocks
+                await self._finish_after()  # the batch reads those blocks
                 self._batch = self._launch(out, after, False)
-        self._trace(out, start, span, moved, result, prev.out if prev is not None else None)
-        return StepResult(out, self.take_landed(), moved, result, in_flight=not self.idle)
+        self._trace(out, start, span, moved, result,
+                    prev.out if pipelined and prev is not None else None)
+        return StepResult(out, self.take_landed(), moved, result,
+                          in_flight=pipelined and not self.idle)
+
+    def _give_up(self, plan: TransferPlan) -> None:
+        """Copies of `plan` failed or will never run: nothing copies any more (a peer is
+        gone, or refused the batch), so its fence is released, and recovery treats its
+        writes as lost (take_unsure)."""
+        self._unsure.append(plan)
+        self.scheduler.complete_transfer(plan.fence)
 
     def _launch(self, out: SchedulerOutput, after: int, worker_busy: bool) -> _Batch:
         self._charge_stall(out, worker_busy)
@@ -305,12 +287,12 @@ class EngineCore:
                 if self.trace is not None:
                     self._trace_copies(part, started, moved)
         except BaseException:
-            self._unsure.append(copies.plan)
             await _stop(copies.tasks())
-            raise
-        finally:
             self._after = None
-            self.scheduler.complete_transfer(copies.plan.fence)
+            self._give_up(copies.plan)
+            raise
+        self._after = None
+        self.scheduler.complete_transfer(copies.plan.fence)
         self._waited(t0)
 
     async def _stop_tasks(self) -> None:
@@ -321,8 +303,7 @@ class EngineCore:
         jobs: list[asyncio.Task[Any]] = [batch.task] if batch else []
         await _stop(jobs + (copies.tasks() if copies else []))
         if copies is not None:
-            self._unsure.append(copies.plan)
-            self.scheduler.complete_transfer(copies.plan.fence)
+            self._give_up(copies.plan)
 
     async def drain(self) -> list[RequestEvent]:
         """Let the batch and copies in flight finish; return the tokens that landed."""
@@ -379,7 +360,7 @@ class EngineCore:
             out, start, transfer=span,
             d2h_s=moved.d2h_s if moved else 0.0, h2d_s=moved.h2d_s if moved else 0.0,
             execute=execute, execute_s=result.execute_s if result else None,
-            executed=executed, load=scheduler_load(self.scheduler),
+            executed=executed, load=self.scheduler.load(),
         )
 
     def _trace_copies(self, plan: TransferPlan, start: float, moved: TransferResult) -> None:

@@ -1,5 +1,6 @@
-"""The scheduler core's two boundaries: an executor (runs a batch) and a transfer engine
-(moves KV blocks between tiers), and what one `schedule()` hands them.
+"""The scheduler core as its drivers see it (`SchedulerInterface`), its two boundaries:
+an executor (runs a batch) and a transfer engine (moves KV blocks between tiers), and
+what one `schedule()` hands them.
 
 Three implementations of each (DESIGN §1): gRPC clients in the scheduler service
 (`scheduler_svc/loop.py`), local objects in `superinfer generate` (`superinfer/engine.py`),
@@ -12,11 +13,15 @@ call does wait (the pipelined step overlaps them).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from common.contracts import ExecuteResult, ScheduledChunk, TransferPlan, TransferResult
+
+if TYPE_CHECKING:
+    from scheduler_svc.request import Request
+    from scheduler_svc.scheduler_config import RequestEvent
 
 
 @dataclass(slots=True)
@@ -60,3 +65,38 @@ class TransferEngine(Protocol):
     async def transfer(self, plan: TransferPlan) -> TransferResult:
         """Carry out every copy in `plan`; return when all are complete."""
         ...
+
+
+class SchedulerInterface(Protocol):
+    """What every driver of the scheduler core uses, whatever the policy: requests in and
+    out, one iteration's plan, and its output back. `Scheduler` (scheduler.py) is the one
+    implementation; the engine step, the service, the in-process engine and the simulator
+    hold it through this."""
+
+    clock: Callable[[], float]
+
+    @property
+    def pipelined(self) -> bool:
+        """Planned one iteration ahead (the pipelined step)."""
+
+    def add_request(self, req: Request) -> None: ...
+    def add_group(self, leader: Request, followers: list[Request]) -> None: ...
+    def abort(self, request_id: str) -> bool: ...
+    def stop(self, request_id: str) -> bool: ...
+    def has_unfinished(self) -> bool: ...
+    def collect_finished(self) -> list[Request]: ...
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one iteration: its batch and its block copies."""
+
+    def complete_transfer(self, fence: int) -> None:
+        """The plan's copies with this fence are done (or failed): its blocks are free."""
+
+    def update_from_output(self, out: SchedulerOutput, result: ExecuteResult
+                           ) -> list[RequestEvent]:
+        """The iteration's batch ran: its KV is settled and its sampled tokens land."""
+
+    def charge_transfer_stall(self, out: SchedulerOutput, seconds: float) -> None: ...
+
+    def load(self) -> dict[str, float]:
+        """Queue lengths and free blocks now (the trace's load track)."""

@@ -33,7 +33,6 @@ from typing import IO, Any
 from common.contracts import TransferPlan
 from scheduler_svc.interfaces import SchedulerOutput
 from scheduler_svc.request import Request
-from scheduler_svc.scheduler import Scheduler
 
 TRACKS = {"schedule": 1, "transfer D2H": 2, "transfer H2D": 3, "execute": 4}
 
@@ -169,13 +168,6 @@ class Trace:
             self._f.write("\n]\n")
             self._f.close()
             self._f = None
-
-
-def scheduler_load(sched: Scheduler) -> dict[str, float]:
-    """The counters drawn on the trace's `load` track."""
-    return {"running": len(sched.running), "waiting": len(sched.waiting),
-            "rotary": len(sched.rotary), "device_blocks_free": sched.bm.num_free_device,
-            "host_blocks_free": sched.bm.num_free_host}
 
 
 def clock_origin(events: list[dict[str, Any]]) -> float | None:

@@ -1,6 +1,6 @@
 """How fast seats free up on their own: running requests finishing, per second.
 
-LVF rotates lazily (Scheduler._rotation_needed): it preempts a running request for a
+LVF rotates lazily (policy/rotation.py): it preempts a running request for a
 candidate only where the candidates would otherwise miss their deadlines waiting for the
 seats that finishing requests free. This module measures that rate.
 """

@@ -457,8 +457,8 @@ def test_lazy_merged_order_equals_the_plain_sort(name: str, params: VLTParams) -
     however requests entered and left the queues."""
     import random
 
+    from scheduler_svc.policy.merge import merge as _merge
     from scheduler_svc.queue import RequestQueue
-    from scheduler_svc.scheduler import _merge
 
     rng = random.Random(7)
     policy = make_policy(name, params)
@@ -619,7 +619,7 @@ def test_scheduler_merge_is_heapq_merge() -> None:
     import heapq
     import random
 
-    from scheduler_svc.scheduler import _merge
+    from scheduler_svc.policy.merge import merge as _merge
 
     rng = random.Random(11)
     for trial in range(200):
@@ -660,8 +660,8 @@ def test_lvf_refiles_its_queues_when_the_batch_time_moves() -> None:
     so and the queue is re-filed (as the scheduler does), keeping the lazy order the
     definition's. Without the re-filing the order below would be stale. (No stall bound:
     with it both would rank by their last tokens here, whatever the gap.)"""
+    from scheduler_svc.policy.merge import merge as _merge
     from scheduler_svc.queue import RequestQueue
-    from scheduler_svc.scheduler import _merge
 
     lvf = make_policy("lvf", VLTParams(max_stall=None))
     rotary = RequestQueue(lambda r: lvf.order_key(r, True))
@@ -873,8 +873,8 @@ def test_with_the_stall_bound_late_parked_requests_leave_their_run_from_any_plac
     sorts before late ones, and the lazy merge must still yield the plain order."""
     import random
 
+    from scheduler_svc.policy.merge import merge as _merge
     from scheduler_svc.queue import RequestQueue
-    from scheduler_svc.scheduler import _merge
 
     rng = random.Random(1)
     for trial in range(20):

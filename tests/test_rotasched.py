@@ -16,6 +16,7 @@ from common.contracts import ExecuteResult
 from scheduler_svc.policy import RotationLimits, VLTParams, make_policy
 from scheduler_svc.policy.iteration_cost import OnlineIterationCost, seqs_within, tokens_within
 from scheduler_svc.policy.lvf import LVFPolicy
+from scheduler_svc.policy.rotation import rotation_needed
 from scheduler_svc.request import PHASES, SLO, Request, RequestState, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.slo_attribution import HISTOGRAM_KEYS, MissHistograms, base_key
@@ -333,7 +334,7 @@ def test_a_parked_request_near_its_deadline_does_not_make_lvf_rotate() -> None:
     for state, needed in ((RequestState.WAITING, True), (RequestState.ROTARY, False)):
         r = second(state)
         assert sched.policy.slack_s(r, now) == pytest.approx(0.3)
-        assert sched._rotation_needed(iter([head, r]), now)[0] is needed, state
+        assert rotation_needed(sched.rotation_inputs(), iter([head, r]), now)[0] is needed, state
 
 
 @pytest.mark.parametrize("seat_limit, needed", [(2, False), (1, True)])
@@ -347,8 +348,8 @@ def test_lvf_counts_the_running_requests_over_the_seat_limit_before_a_seat_frees
     coming and missed their 1 s TTFT)."""
     sched, now, gap = _finishing_four_a_second(RotationLimits())
     new = _new_with_slack(sched, now, gap, 1.6)
-    sched._seat_limit = seat_limit  # as _time_budget sets it from a slower batch
-    assert sched._rotation_needed(iter([new]), now)[0] is needed
+    sched.seat_limit = seat_limit  # as _time_budget sets it from a slower batch
+    assert rotation_needed(sched.rotation_inputs(), iter([new]), now)[0] is needed
 
 
 @pytest.mark.parametrize("chunk_tokens, needed", [(0, False), (100, False), (4, True)])
@@ -363,7 +364,7 @@ def test_lvf_counts_a_long_prompts_batches_against_its_slack(chunk_tokens: int,
     sched, now, gap = _finishing_four_a_second(RotationLimits())
     assert gap == pytest.approx(0.01)
     new = _new_with_slack(sched, now, gap, 1.6, prompt=100)
-    assert sched._rotation_needed(iter([new]), now, chunk_tokens)[0] is needed
+    assert rotation_needed(sched.rotation_inputs(), iter([new]), now, chunk_tokens)[0] is needed
 
 
 @pytest.mark.parametrize("head_slack, parked_first, first", [
@@ -385,7 +386,7 @@ def test_parked_requests_go_ahead_of_new_ones_that_can_spare_the_seats(
     parked.output_token_ids.extend([7] * 10)
     parked.set_state(RequestState.ROTARY, 9.5)
     assert sched.policy.slack_s(head, now) == pytest.approx(head_slack)
-    needed, queue, hold, *_ = sched._rotation_needed(iter([head, parked]), now)
+    needed, queue, hold, *_ = rotation_needed(sched.rotation_inputs(), iter([head, parked]), now)
     assert not needed
     order = [q.request_id for q in queue]
     assert order[0] == first and sorted(order) == ["head", "parked"]
@@ -539,21 +540,21 @@ def test_lvf_frees_every_seat_a_candidate_needs_when_the_seat_limit_drops(
                                   arrival_time=0.0, slo=SLO(5.0, 0.1)))
     for _ in range(5):
         _step(sched, clock)
-    assert len(sched.running) == 6 and sched._seat_limit == 16
+    assert len(sched.running) == 6 and sched.seat_limit == 16
     cost.per_token = 0.0085  # ten tokens in 90 ms
     new = Request("new", list(range(20)), SamplingParams(max_tokens=4, ignore_eos=True),
                   arrival_time=clock[0], slo=SLO(5.0, 0.1))
     sched.add_request(new)
     clock[0] += 1.0
     out = sched.schedule()
-    assert sched._seat_limit == 5 and sched.policy.time_bound
+    assert sched.seat_limit == 5 and sched.policy.time_bound
     assert new.state is RequestState.RUNNING and "new" in {c.request_id for c in out.chunks}
     assert len(out.rotated_out) == 2 and len(sched.running) == 5
 
 
 def test_seats_count_in_everything_fits() -> None:
     sched = _busy("lvf", None, n=3)
-    sched.config.max_num_seqs = sched._seat_limit = 2
+    sched.config.max_num_seqs = sched.seat_limit = 2
     assert sched._blocks_needed <= sched.config.num_device_blocks
     assert not sched.everything_fits()
 

@@ -51,7 +51,7 @@ class RotationLimits:
     # within this share of their TTFT SLO (LVF; see LVFPolicy.prefill_demand).
     prefill_within: float = 0.5
     # Rotate only where a candidate would miss its deadline waiting for seats that
-    # finishing requests free (a policy with `lazy_rotation`; Scheduler._rotation_needed),
+    # finishing requests free (a policy with `lazy_rotation`; policy/rotation.py),
     # less a margin of this share of its TTFT SLO for the wait's variance.
     lazy_rotation: bool = True
     lazy_margin: float = 0.25
@@ -66,7 +66,7 @@ class RotationLimits:
     park_cover: float | None = None
     # Where seats are not waited for, a parked request coming back early into free blocks
     # leaves this share of what the running requests grow by until the next finish
-    # (Scheduler._rotation_needed, which says why a half; 0: none, every free block serves).
+    # (policy/rotation.py, which says why a half; 0: none, every free block serves).
     growth_room: float = 0.5
     # Where the seat a candidate needs is held by memory or max_num_seqs, not by the
     # iteration-time budget (`Policy.time_bound` False), it must lag its victim by this

@@ -150,7 +150,7 @@ class LVFPolicy(Policy):
         # By what it counts on (vlt.tokens_left). A request of unknown length may have
         # used up the catch-up it counts on and not be late (its max_tokens might still
         # bring it back): it then triggers no rotation, nor do those after it
-        # (Scheduler._rotation_needed), and takes free seats first. Measured (docs/results/rotasched/): counting it as
+        # (policy/rotation.py), and takes free seats first. Measured (docs/results/rotasched/): counting it as
         # on time with no slack left doubled LVF's rotations on gh200-96gb at 17 req/s
         # (6,961 against 3,220) and cost 10 points of TPOT.
         # vlt.deadline's arithmetic inlined (admission asks it of every parked candidate
