@@ -10,57 +10,17 @@ VLT > 0: lagging, serve it first. VLT < 0: ahead, a candidate for preemption.
     running, prefilling        −(t − run_start) / (α · S_F)
 
 A started request lags against its *deadline* D: the latest time its next token may come
-and its TPOT (its mean gap, the per-request TBT that vLLM's goodput counts) still be met.
-With k tokens out, its (k+1)-th is due at `first_token + k·S_F` (its pace); a request that
-ran with iterations shorter than S_F has banked the difference. Served from then on at the
-measured time between tokens τ, it also wins back S_F − τ per remaining token, so D is
-its due time plus that (`catch_up_limit`, within the tokens it counts on, `tokens_left`:
-max_tokens where nothing else can end it; else, for its order, what nine in ten finished
-requests longer than it went on to produce, and for whether it is late, max_tokens), or
-a share of it where τ > S_F/2 (catching up then costs more seat time than it wins). A
-request past D is late (`is_late`): it can no longer make its TPOT. Where iterations are
-much shorter than S_F (the CPU stack: 20 ms against 300) D lies seconds past the due
-time; as they near S_F (a GPU under overload) D nears the due time. While a request
-runs, each token moves D by τ (catch-up) or S_F (pace) as time moves by τ: its lead
-holds or grows; parked, it shrinks second for second.
-So running and parked requests, and new ones, compare by the same slack: victims are the
-requests furthest ahead of their deadlines (measured: LVF ranked running requests by time
-since admission instead and rotated a request out after a batch or two however far
-behind it was; docs/results/rotasched/). β_F is the share of the TPOT budget a request may use
-before it counts as lagging, as β_B is for the TTFT budget. Both lags are in units of the
-request's TTFT budget S_B, so that a parked request's slack and a new request's slack
-compare in the same seconds. Where live requests carry different SLOs, the unit is one
-for all of them (`unit_s`: the longest live TTFT SLO, set by the scheduler), so that VLT
-orders requests of different classes by their slack in seconds: in a request's own S_B,
-a batch-class request 13 s from its 20 s TTFT deadline outranked an interactive one 0.6 s
-from its 1 s deadline, which then missed it (measured, docs/results/rotasched/). With
-one class the two are the same. α weighs a started request against a new one: its lag counts
-α times, its lead 1/α times, so a larger α makes it more urgent at every moment (and a
-running request a later victim). The default, 1, orders every live request by its slack
-in seconds. It was 0.3, which sent new requests first while a parked one still had slack
-and let it sit out parks that used all of it; measured against it (docs/results/rotasched/): the simulator's goodput summed over the 26 must-show cells
-+1.9 % and +2.0 % (seeds 0, 1), TPOT up in every cell that fails on it, Llama-3-8B at
-140 req/s passing, the mixed artifact cell's interactive TTFT down 0.5 points (now under
-waiting-first's); on the CPU stack's twin the real-stack claim held on 34 of 40 seeds at
-1.5x saturation (0.3: 25), and on the real stack the longest stall fell from 19-26 s to
-12-16 s with more requests meeting both SLOs on each of four seeds.
-
-A parked request's deadline can lie far ahead, and a streaming user sees the wait for
-it: on the CPU stack the catch-up allowance let a request 16 tokens into 64 sit out 16 s
-and still meet its TPOT, which per-gap TBT counts as one miss and vLLM's goodput as good
-(docs/results/rotasched/). With `max_stall` = m a parked request's slack counts only
-until m·S_B after its last token (`stall_anchor`): it lags from then on, and before then
-it outranks a new request once its slack is under α times the new one's (with α 1 and
-m 0.25, at once against one just arrived). Only its rank moves: whether it is late still
-follows D alone, so the bound never makes a request late (late ones are served last).
-It is off by default. On the CPU stack (m 0.25, 1.5x and 2x) it cut the longest stall
-from 17 s to 3-3.5 s at 100 % TTFT, with twice the rotations and per-gap misses:
-swapped-first then beat LVF on per-gap TBT and goodput (docs/results/rotasched/).
-Under sustained overload on a GPU it costs more than it bounds: the simulator, gh200-96gb
-at 24 req/s, TTFT / TPOT % and goodput: off 100 / 91.1, 9.50 req/s (longest gap 103 s);
-m 0.25: 73.7 / 99.5, 7.69 (48 s); m 1: 98.5 / 69.9, 7.29; m 2: 99.5 / 79.9, 8.29, with
-2-3.6x the rotations: every stalled request that takes a seat leaves it to a new one that
-then rotates someone else out (docs/results/rotasched/).
+and its TPOT (its mean gap, which vLLM's goodput counts) still be met. With k tokens out,
+its (k+1)-th is due at `first_token + k·S_F`; served from then on at the measured time
+between tokens τ, it also wins back S_F − τ per remaining token (`catch_up_limit`, within
+the tokens it counts on, `tokens_left`), or a share of it where τ > S_F/2. A request past
+D is late (`is_late`): it can no longer make its TPOT. So running, parked and new
+requests compare by the same slack, in seconds: lags are in units of the longest live
+TTFT SLO (`unit_s`), so that requests of different SLO classes order by their slack. α
+weighs a started request against a new one (its lag counts α times, its lead 1/α times;
+the default 1 orders every live request by its slack). `max_stall` bounds how long a
+parked, streaming request's slack counts (`stall_anchor`); off by default. The
+measurements behind each choice: docs/results/rotasched/ ("The VLT definition").
 """
 
 from __future__ import annotations
