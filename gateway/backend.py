@@ -64,7 +64,7 @@ class ModelState:
     served_name: str
     max_model_len: int
     vocab_size: int
-    defaults: GenerationDefaults  # for the sampling fields a request leaves unset
+    defaults: GenerationDefaults = GenerationDefaults()  # for the fields a request leaves unset
 
 
 class SchedulerBackend:

@@ -7,11 +7,10 @@ from dataclasses import dataclass, field
 
 from common.generation_defaults import check_mode
 from gateway.backend import ModelState, SchedulerBackend
-from gateway.errors import APIError
+from gateway.conversion import InternalRequest
 from gateway.generation import ActiveRequests, Generation
 from gateway.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_IN_FLIGHT, InFlightLimit
 from gateway.metrics import GatewayMetrics
-from proto import common_pb2, scheduler_pb2
 
 
 @dataclass(slots=True)
@@ -56,32 +55,10 @@ class GatewayContext:
         return cls(settings=settings, backend=backend,
                    in_flight=InFlightLimit(settings.max_in_flight))
 
-    def check_model(self, requested: str | None, model: ModelState) -> None:
-        """Clients may omit the model (as vLLM allows); a wrong name is a 404."""
-        if requested is not None and requested != model.served_name:
-            raise APIError(
-                404, f"The model '{requested}' does not exist; this server serves "
-                f"'{model.served_name}'",
-                param="model", code="model_not_found",
-            )
-
-    def generation(
-        self,
-        model: ModelState,
-        *,
-        request_id: str,
-        prompt_ids: list[int],
-        sampling: common_pb2.SamplingParams,
-        slo: common_pb2.SLO,
-        stop: tuple[str, ...],
-        arrival: float | None,
-        n: int = 1,
-    ) -> Generation:
-        request = scheduler_pb2.GenerateRequest(
-            request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, slo=slo,
-            n=n if n > 1 else 0,
-        )
+    def generation(self, model: ModelState, req: InternalRequest, *, request_id: str,
+                   arrival: float | None) -> Generation:
+        """The request's life from here: submit, stream, detokenize, stop, clean up."""
         return Generation(
             backend=self.backend, metrics=self.metrics, active=self.active, model=model,
-            request=request, stop=stop, arrival=arrival,
+            request=req.scheduler_request(request_id), stop=req.stop, arrival=arrival,
         )

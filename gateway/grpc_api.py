@@ -1,7 +1,7 @@
 """The client-facing gRPC API (`proto/client.proto`, service SuperInfer).
 
 It shares validation, tokenization, stop strings and cleanup with the REST routes
-(prompts.py, generation.py) and runs on uvicorn's event loop, so both front doors see
+(conversion.py, generation.py) and runs on uvicorn's event loop, so both front doors see
 the same in-flight table: a gRPC Abort can end a REST request by its id and vice versa.
 Proto3 scalars cannot say "not set", so 0 means the default for max_tokens (up to the
 context limit) and top_p (1.0); temperature 0 is greedy. With --api-key, every call needs
@@ -17,17 +17,13 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.wire import grammar_from_proto, logprobs_to_proto
-from gateway import prompts
+from common.wire import logprobs_to_proto
+from gateway import conversion
 from gateway.context import GatewayContext
 from gateway.errors import APIError, invalid
 from gateway.generation import Generation
 from gateway.middleware import check_api_key, new_request_id, valid_request_id
-from gateway.openai_schema import MAX_CHOICES, MAX_STOP_STRINGS, check_stop_lengths
 from proto import client_pb2, client_pb2_grpc
-
-# The scheduler checks each sampled token against them, so they are bounded like stop strings.
-MAX_STOP_TOKEN_IDS = 64
 
 # A lazy proxy, not get_logger(): a logger bound at import time would keep the default
 # configuration instead of the one configure_logging() installs later.
@@ -102,57 +98,9 @@ class SuperInferServicer(client_pb2_grpc.SuperInferServicer):
     async def _prepare(self, request: client_pb2.ClientGenerateRequest, request_id: str) -> Generation:
         if not valid_request_id(request_id):
             raise invalid("request_id must be 1-128 characters of A-Z a-z 0-9 . _ -", "request_id")
-        ctx = self._ctx
-        model = await ctx.backend.model()
-        ctx.check_model(request.model or None, model)
-        if request.prompt and request.prompt_token_ids:
-            raise invalid("give either prompt or prompt_token_ids, not both", "prompt")
-        if len(request.stop) > MAX_STOP_STRINGS:
-            raise invalid(f"at most {MAX_STOP_STRINGS} stop strings are supported", "stop")
-        try:
-            check_stop_lengths(list(request.stop))
-        except ValueError as e:
-            raise invalid(str(e), "stop") from None
-        if len(request.sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise invalid(f"at most {MAX_STOP_TOKEN_IDS} stop token ids are supported",
-                          "stop_token_ids")
-        if request.prompt:
-            ids = await prompts.tokenize(model.tokenizer.encode, request.prompt,
-                                         size=len(request.prompt))
-        else:
-            ids = prompts.check_token_ids(list(request.prompt_token_ids), model.vocab_size, "prompt_token_ids")
-        sp = request.sampling
-        if not 0 <= request.n <= MAX_CHOICES:
-            raise invalid(f"n must be in [1, {MAX_CHOICES}], got {request.n}", "n")
-        sampling = prompts.sampling_params(
-            prompts.Sampling(
-                max_tokens=sp.max_tokens or None,
-                temperature=sp.temperature,
-                top_p=sp.top_p or None,
-                top_k=sp.top_k,
-                seed=sp.seed if sp.HasField("seed") else None,
-                ignore_eos=sp.ignore_eos,
-                presence_penalty=sp.presence_penalty,
-                frequency_penalty=sp.frequency_penalty,
-                repetition_penalty=sp.repetition_penalty or None,
-                logit_bias=dict(sp.logit_bias),
-                logprobs=sp.logprobs if sp.HasField("logprobs") else None,
-                prompt_logprobs=sp.prompt_logprobs,
-                grammar=grammar_from_proto(sp.grammar),
-                grammar_param="grammar",
-            ),
-            prompt_len=len(ids), max_model_len=model.max_model_len, vocab_size=model.vocab_size,
-        )
-        bad_stop_id = next((t for t in sp.stop_token_ids if not 0 <= t < model.vocab_size), None)
-        if bad_stop_id is not None:
-            raise invalid(f"stop token id {bad_stop_id} is out of range", "stop_token_ids")
-        sampling.stop_token_ids.extend(sp.stop_token_ids)
-        if request.slo.ttft_s < 0 or request.slo.tbt_s < 0:
-            raise invalid("SLOs must be >= 0 seconds (0: server default)", "slo")
-        return ctx.generation(
-            model, request_id=request_id, prompt_ids=ids, sampling=sampling,
-            slo=request.slo, stop=tuple(request.stop), arrival=None, n=request.n or 1,
-        )
+        model = await self._ctx.backend.model()
+        req = await conversion.from_client(request, model)
+        return self._ctx.generation(model, req, request_id=request_id, arrival=None)
 
 
 def _metadata_request_id(context: grpc.aio.ServicerContext) -> str | None:

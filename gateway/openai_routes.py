@@ -1,7 +1,8 @@
 """`/v1/completions`, `/v1/chat/completions` and `/v1/models`.
 
-Both generation routes validate and tokenize, then wait for the scheduler's first event
-before answering: that way a scheduler refusal (400/429/503) is still a proper HTTP
+Both generation routes turn the body into the gateway's internal request
+(gateway/conversion.py: validation, tokens, sampling), then wait for the scheduler's first
+event before answering: that way a scheduler refusal (400/429/503) is still a proper HTTP
 status rather than an error inside a 200 event stream. After that, output streams as
 OpenAI-format SSE chunks or is collected into one JSON response.
 """
@@ -18,8 +19,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from common.contracts import TokenLogprob
+from gateway import conversion, tools
 from gateway import openai_schema as s
-from gateway import prompts, tools
 from gateway.backend import ModelState
 from gateway.context import GatewayContext
 from gateway.errors import APIError
@@ -51,17 +52,12 @@ async def create_completion(body: s.CompletionRequest, request: Request) -> Resp
     ctx = _ctx(request)
     try:
         model = await ctx.backend.model()
-        _precheck(ctx, body, model)
-        ids = await prompts.tokenize(
-            prompts.completion_prompt_ids, body.prompt, model.tokenizer, model.vocab_size,
-            size=_size(body.prompt),
-        )
-        gen = _generation(ctx, request, body, model, ids, body.max_tokens, "prompt",
-                          echo=bool(body.echo))
+        req = await conversion.from_completion(body, model)
+        gen = _generation(ctx, request, model, req)
     except APIError:
         ctx.metrics.requests.labels("rejected").inc()
         raise
-    fmt = _CompletionFormat(request, model, body, ids, _prompt_text(body.prompt, model, ids))
+    fmt = _CompletionFormat(request, model, body, req.prompt_ids, req.prompt_text)
     return await _respond(request, body, gen, fmt)
 
 
@@ -70,69 +66,18 @@ async def create_chat_completion(body: s.ChatCompletionRequest, request: Request
     ctx = _ctx(request)
     try:
         model = await ctx.backend.model()
-        _precheck(ctx, body, model)
-        ids = await prompts.tokenize(
-            prompts.chat_prompt_ids, body.messages, model.tokenizer, body.tool_mode(),
-            size=sum(len(m.text()) for m in body.messages),
-        )
-        gen = _generation(ctx, request, body, model, ids, body.requested_max_tokens, "messages")
+        req = await conversion.from_chat(body, model)
+        gen = _generation(ctx, request, model, req)
     except APIError:
         ctx.metrics.requests.labels("rejected").inc()
         raise
     return await _respond(request, body, gen, _ChatFormat(request, model, body))
 
 
-def _size(prompt: Any) -> int:
-    if isinstance(prompt, str):
-        return len(prompt)
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        return sum(len(p) for p in prompt if isinstance(p, str))
-    return 0
-
-
-def _prompt_text(prompt: Any, model: ModelState, ids: list[int]) -> str:
-    """What echo repeats: the prompt as sent, or its ids decoded."""
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    return prompt if isinstance(prompt, str) else model.tokenizer.decode(ids)
-
-
-def _precheck(ctx: GatewayContext, body: s.SamplingRequest, model: Any) -> None:
-    ctx.check_model(body.model, model)
-    problem = body.unsupported()
-    if problem is not None:
-        param, message = problem
-        raise APIError(400, message, param=param, code="unsupported_parameter")
-
-
-def _generation(
-    ctx: GatewayContext, request: Request, body: s.SamplingRequest, model: Any,
-    ids: list[int], max_tokens: int | None, prompt_param: str, echo: bool = False,
-) -> Generation:
-    wanted = body.top_logprobs_wanted()
-    choices = body.best_of or body.num_choices
-    # best_of ranks its candidates by their tokens' logprobs: it needs them even when the
-    # client did not ask.
-    logprobs = wanted if wanted is not None or choices == body.num_choices else 0
-    grammar = body.grammar()
-    sampling = prompts.sampling_params(
-        prompts.Sampling(
-            max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-            top_k=body.top_k, seed=body.seed, ignore_eos=bool(body.ignore_eos),
-            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty, logit_bias=body.logit_bias_ids(),
-            logprobs=logprobs, prompt_logprobs=echo and wanted is not None,
-            grammar=grammar[1] if grammar else None,
-            grammar_param=grammar[0] if grammar else "response_format",
-        ),
-        prompt_len=len(ids), max_model_len=model.max_model_len, prompt_param=prompt_param,
-        vocab_size=model.vocab_size, defaults=model.defaults,
-    )
-    return ctx.generation(
-        model, request_id=request.state.request_id, prompt_ids=ids, sampling=sampling,
-        slo=prompts.slo(body.slo), stop=body.stop_strings, arrival=request.state.arrival,
-        n=choices,
-    )
+def _generation(ctx: GatewayContext, request: Request, model: ModelState,
+                req: conversion.InternalRequest) -> Generation:
+    return ctx.generation(model, req, request_id=request.state.request_id,
+                          arrival=request.state.arrival)
 
 
 async def _respond(request: Request, body: s.SamplingRequest, gen: Generation, fmt: _Format) -> Response:
@@ -334,7 +279,7 @@ class _CompletionFormat(_Format):
 class _ChatFormat(_Format):
     def __init__(self, request: Request, model: ModelState, body: s.ChatCompletionRequest) -> None:
         super().__init__(request, model, body, "chatcmpl")
-        self.tools = body.tool_mode()
+        self.tools = conversion.tool_mode(body)
         self._streams: dict[int, tools.ContentStream] = {}  # streaming: per choice
 
     def _finish_reason(self, parsed: tools.Parsed, reason: str | None) -> str | None:

@@ -4,7 +4,8 @@ Requests are validated strictly (a string where a number belongs is a 400, not a
 coercion) and unknown fields are ignored, as OpenAI clients send many optional ones.
 Fields that would change the output in a way SuperInfer cannot honour (suffix) are
 rejected by name instead of being ignored, so a client never gets a result that
-silently differs from what it asked for. Sampling fields follow OpenAI's ranges and
+silently differs from what it asked for (gateway/conversion.py, which checks such
+combinations and turns a body into the gateway's internal request). Sampling fields follow OpenAI's ranges and
 vLLM's extras: n and best_of up to 32 choices, penalties (presence and frequency in
 [-2, 2], repetition in (0, 2]), logit_bias (at most 300 token ids, values in [-100, 100]),
 logprobs / top_logprobs up to 20, echo, structured outputs (`response_format` and
@@ -14,7 +15,6 @@ calling (`tools`, `tool_choice`, `parallel_tool_calls`: gateway/tools.py).
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Literal
 
@@ -26,9 +26,6 @@ from pydantic import (
     field_validator,
     model_serializer,
 )
-
-from common.contracts import Grammar
-from gateway.tools import NO_PARAMETERS, Function, ToolMode, tool_mode
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -114,43 +111,9 @@ class SamplingRequest(_Request):
                                  f"token {key}")
         return v
 
-    def logit_bias_ids(self) -> dict[int, float]:
-        return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
-
     @property
     def num_choices(self) -> int:
         return self.n or 1
-
-    def grammar(self) -> tuple[str, Grammar] | None:
-        """(the field that asked, the constraint) of the one structured-output field given;
-        ValueError when several are."""
-        given: list[tuple[str, Grammar]] = []
-        rf = self.response_format
-        if rf is not None and rf.type == "json_object":
-            given.append(("response_format", Grammar("json_object", "")))
-        elif rf is not None and rf.type == "json_schema":
-            if rf.json_schema is None or rf.json_schema.schema_ is None:
-                raise ValueError("response_format of type json_schema needs "
-                                 "json_schema.schema")
-            given.append(("response_format", Grammar("json_schema",
-                                                     json.dumps(rf.json_schema.schema_))))
-        if self.guided_json is not None:
-            spec = self.guided_json
-            if not isinstance(spec, str | dict):
-                raise ValueError("guided_json must be a JSON schema (an object or its text)")
-            given.append(("guided_json", Grammar("json_schema",
-                                                 spec if isinstance(spec, str) else json.dumps(spec))))
-        if self.guided_regex is not None:
-            given.append(("guided_regex", Grammar("regex", self.guided_regex)))
-        if self.guided_choice is not None:
-            given.append(("guided_choice", Grammar("choice", json.dumps(self.guided_choice))))
-        if self.guided_grammar is not None:
-            given.append(("guided_grammar", Grammar("lark", self.guided_grammar)))
-        if len(given) > 1:
-            raise ValueError("give at most one of response_format (json_object/json_schema), "
-                             f"guided_json, guided_regex, guided_choice, guided_grammar; got "
-                             f"{', '.join(p for p, _ in given)}")
-        return given[0] if given else None
 
     # -- logprobs: the two APIs name them differently -------------------------------
     def top_logprobs_wanted(self) -> int | None:
@@ -178,21 +141,6 @@ class SamplingRequest(_Request):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
-    def unsupported(self) -> tuple[str, str] | None:
-        """(param, message) for the first field set to something SuperInfer cannot do, or
-        to a combination that makes no sense."""
-        if self.stream_options is not None and not self.stream:
-            return "stream_options", "stream_options is only allowed when stream is true"
-        if self.best_of is not None and self.best_of < self.num_choices:
-            return "best_of", f"best_of must be at least n ({self.num_choices}), got {self.best_of}"
-        if self.stream and self.best_of is not None and self.best_of > self.num_choices:
-            return "best_of", "best_of > n cannot be streamed: the best choices are known only at the end"
-        try:
-            self.grammar()
-        except ValueError as e:
-            return "response_format", str(e)
-        return None
-
 
 def check_stop_lengths(stop: list[str]) -> None:
     longest = max((len(s) for s in stop), default=0)
@@ -203,7 +151,7 @@ def check_stop_lengths(stop: list[str]) -> None:
 
 class CompletionRequest(SamplingRequest):
     # A string, a list holding one string, or token ids (flat or one nested list); the
-    # shapes are told apart in prompts.py, which gives a clearer error than a union.
+    # shapes are told apart in conversion.py, which gives a clearer error than a union.
     prompt: Any = Field(...)
     echo: bool | None = False
     suffix: str | None = None
@@ -212,11 +160,6 @@ class CompletionRequest(SamplingRequest):
 
     def top_logprobs_wanted(self) -> int | None:
         return self.logprobs
-
-    def unsupported(self) -> tuple[str, str] | None:
-        if self.suffix:
-            return "suffix", "suffix is not supported"
-        return super().unsupported()
 
 
 TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
@@ -306,38 +249,6 @@ class ChatCompletionRequest(SamplingRequest):
 
     def top_logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    def tool_mode(self) -> ToolMode:
-        """ValueError for a tool_choice that names nothing given (see gateway/tools.py)."""
-        functions = [Function(t.function.name, t.function.description,
-                              t.function.parameters or dict(NO_PARAMETERS))
-                     for t in self.tools or ()]
-        return tool_mode(functions, self.tool_choice, self.parallel_tool_calls)
-
-    def grammar(self) -> tuple[str, Grammar] | None:
-        """A named or required tool_choice constrains the output like a JSON schema (and
-        then no other structured output may be given)."""
-        schema = self.tool_mode().schema()
-        given = super().grammar()
-        if schema is None:
-            return given
-        if given is not None:
-            raise ValueError(f"tool_choice {self.tool_choice!r} constrains the output already; "
-                             f"drop {given[0]}")
-        return "tool_choice", Grammar("json_schema", json.dumps(schema))
-
-    def unsupported(self) -> tuple[str, str] | None:
-        try:
-            mode = self.tool_mode()
-        except ValueError as e:
-            return "tool_choice", str(e)
-        if mode.constrained and self.best_of is not None:
-            return "best_of", "best_of cannot rank tool calls"
-        if self.top_logprobs is not None and not self.logprobs:
-            return "top_logprobs", "top_logprobs needs logprobs: true"
-        if self.best_of is not None:
-            return "best_of", "best_of is only supported on /v1/completions; use n"
-        return super().unsupported()
 
     @property
     def requested_max_tokens(self) -> int | None:

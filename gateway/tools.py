@@ -19,7 +19,7 @@ does not (SmolLM2's) gets the tools described in the system message, the assista
 calls written as `<tool_call>` blocks and tool results as `<tool_response>` blocks, so
 that the conversation reads the same way the model is asked to answer.
 
-Pure functions over plain data: the request models (gateway/openai_schema.py) and the
+Pure functions over plain data: the request conversion (gateway/conversion.py) and the
 response formatting (gateway/openai_routes.py) call them.
 """
 

@@ -175,7 +175,7 @@ class Request:
     # Nothing but max_tokens (or the context) can end it: no EOS that counts, no stop
     # token, stop string or grammar. Then its output length is known from the start
     # (a benchmark's ignore_eos requests); else max_tokens only bounds it, and an OpenAI
-    # request without max_tokens gets the whole context as its bound (gateway/prompts.py).
+    # request without max_tokens gets the whole context as its bound (gateway/conversion.py).
     length_known: bool = field(init=False, default=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -25,8 +25,8 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from gateway.app import create_app, validation_to_api_error
 from gateway.context import GatewaySettings
+from gateway.conversion import Sampling, sampling_params
 from gateway.errors import from_grpc
-from gateway.prompts import Sampling, sampling_params
 from proto import scheduler_pb2, scheduler_pb2_grpc
 
 MAX_MODEL_LEN = 64

@@ -268,7 +268,7 @@ def test_clock_cap_counts_every_request() -> None:
 
 def test_lvf_keeps_tpot_when_clients_send_no_max_tokens() -> None:
     """An OpenAI client that sends no max_tokens gets the whole context as its bound
-    (gateway/prompts.py), and its request ends by EOS. LVF must not order requests by a
+    (gateway/conversion.py), and its request ends by EOS. LVF must not order requests by a
     catch-up that bound allows (vlt.tokens_left): counting on it, it parked them for
     catch-ups they never had the tokens for, and on the CPU stack's twin at 2x saturation
     38 % missed TPOT where none did with the lengths known (goodput 1.85 against 2.98
