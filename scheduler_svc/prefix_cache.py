@@ -11,7 +11,8 @@ needed and the oldest is evicted (its name forgotten). The device tier is what a
 request reuses directly; the host tier is the host copies DuplexKV already makes (eager
 copies, rotate-outs): a prefix no longer on the device but in host memory is copied in
 instead of recomputed. Reference counts and every rule about when a block may be reused
-(fences, batches in flight) live in the block manager; this module only names blocks.
+(fences, batches in flight) live in the block manager (scheduler_svc/blocks/pool.py); this
+module only names blocks.
 
 Pure Python, no torch.
 """
@@ -43,7 +44,7 @@ class TierCache:
 
     `parked` maps an unreferenced block to a tag the block manager gives it (the newest
     batch in flight when it was released: until that batch is done the block may still be
-    read, see block_manager.py). Insertion order is release order, so the oldest comes first.
+    read, see blocks/pool.py). Insertion order is release order, so the oldest comes first.
     """
 
     __slots__ = ("by_hash", "hash_of", "parked")

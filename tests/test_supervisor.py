@@ -25,6 +25,13 @@ from superinfer.supervisor import RestartPolicy, ServiceSpec, Supervisor, exit_r
 ALWAYS_READY = (lambda: True, lambda: None)
 
 
+@pytest.fixture(autouse=True)
+def _default_logging() -> None:
+    """structlog as a fresh process has it: a test that configured logging before, in this
+    pytest worker, may have set a level above info, and capture_logs would see nothing."""
+    structlog.reset_defaults()
+
+
 def _spec(name: str, code: str, run_dir: Path) -> ServiceSpec:
     return ServiceSpec(name, [sys.executable, "-c", code], ALWAYS_READY, run_dir / f"{name}.pid")
 
