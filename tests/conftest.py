@@ -19,18 +19,23 @@ if "TRITON_INTERPRET" not in os.environ and not Path("/dev/nvidiactl").exists():
 
 import superinfer  # noqa: F401  (OpenMP wait policy, before anything loads torch)
 
-# Modules that use the session's shared stack (tests/stack.py): one xdist worker runs them
-# all, so that the stack starts once.
-SHARED_STACK_MODULES = frozenset({"test_gateway", "test_openai_features", "test_bench_serve"})
+# Modules that share something costly run on one xdist worker, so that it is made once:
+# the session's stack (tests/stack.py), transformers' model of the GGUF file
+# (tests/hf_reference.py).
+GROUPS = {
+    "test_gateway": "shared_stack", "test_openai_features": "shared_stack",
+    "test_bench_serve": "shared_stack",
+    "test_engine_vs_hf": "transformers", "test_prefix_cache_model": "transformers",
+}
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # `make test` runs on two xdist workers with --dist loadgroup: a module's tests stay
-    # together (its module-scoped stack or model starts once), the shared-stack modules too.
+    # together (its module-scoped stack or model starts once), GROUPS' modules too.
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1] if item.module else item.nodeid
-        group = "shared_stack" if module in SHARED_STACK_MODULES else module
+        group = GROUPS.get(module, module)
         item.add_marker(pytest.mark.xdist_group(group))
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:

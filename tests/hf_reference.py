@@ -3,15 +3,19 @@ reference the engine's greedy tokens are compared with (fp32 both sides)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 
-def hf_greedy(path: Path, prompt_ids: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """Exactly `new_tokens` greedy tokens per prompt, one prompt at a time."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+@functools.cache
+def _model(path: Path) -> Any:
+    """transformers' fp32 model of the GGUF file, loaded once per test process (it takes
+    tens of seconds: every tensor is dequantized); conftest.py runs the modules that
+    compare against it on one xdist worker."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -21,6 +25,14 @@ def hf_greedy(path: Path, prompt_ids: list[list[int]], new_tokens: int) -> list[
     # No EOS for the reference: it must run all steps like ours with ignore_eos
     # (min_new_tokens would instead mask EOS out of the logits and change the argmax).
     model.generation_config.eos_token_id = None
+    return model
+
+
+def hf_greedy(path: Path, prompt_ids: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Exactly `new_tokens` greedy tokens per prompt, one prompt at a time."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch = pytest.importorskip("torch")
+    model = _model(path)
     out = []
     with torch.inference_mode():
         for ids in prompt_ids:
