@@ -20,7 +20,9 @@ from types import FrameType, ModuleType
 from common.config import EngineConfig
 from common.daemon import add_daemon_arguments
 from common.generation_defaults import check_mode
+from common.kv_events import parse_kv_events_config
 from common.logging import configure_logging
+from superinfer.ports import Port, port_problem, run_dir_problem
 from superinfer.probes import (
     HEALTH_HELP,
     add_health_arguments,
@@ -101,7 +103,19 @@ def _add_scheduler(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-grace", type=float, default=3.0,
                    help="on SIGTERM, seconds live requests may take to finish before they "
                         "are cancelled with an error")
+    _add_kv_events_flag(p)
     _add_engine_flags(p, _scheduler_flag)
+
+
+def _add_kv_events_flag(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("KV events for a router (docs/routers.md)")
+    g.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="publish the prefix cache's blocks of both tiers as vLLM's KV events: "
+                        "vLLM's JSON, e.g. '{\"endpoint\": \"tcp://*:5557\", "
+                        "\"replay_endpoint\": \"tcp://*:5558\"}' (default: off)")
+    g.add_argument("--kv-events-tiers", default="both", choices=["both", "device"],
+                   help="the tiers KV events report: both (a block rotated to host memory "
+                        "stays a prefix hit there) or device (as an engine with one tier)")
 
 
 def _run(module: str) -> Callable[[argparse.Namespace], int]:
@@ -144,6 +158,10 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                    help="sampling for the fields a request leaves unset: the model's own "
                         "(auto, default), OpenAI's (vllm), or a folder's "
                         "generation_config.json")
+    g.add_argument("--replica-id", default=None,
+                   help="this replica's name for a router: /get_server_info's instance_id and "
+                        "every response's X-SuperInfer-Replica header (default: HOST:PORT)")
+    _add_kv_events_flag(p)  # handed to the scheduler by name
     _add_kvmem_flags(p)  # handed to kvmem by name
     s = p.add_argument_group("services (listen on 127.0.0.1)")
     s.add_argument("--scheduler-port", type=int, default=PORTS["scheduler"])
@@ -251,17 +269,39 @@ def check_tensor_parallel(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _serve(args: argparse.Namespace) -> int:
+def serve_ports(args: argparse.Namespace) -> list[Port]:
+    """Every port `serve`'s children will listen on, with the flag that names it."""
+    ports = [Port("--port", args.host, args.port)]
+    if args.grpc_port:
+        ports.append(Port("--grpc-port", args.host, args.grpc_port))
+    ports += [Port(f"--{name}-port", "127.0.0.1", getattr(args, f"{name}_port"))
+              for name in ("scheduler", "worker", "kvmem")]
+    events = parse_kv_events_config(args.kv_events_config)
+    if events is not None:
+        ports += [Port(f"--kv-events-config {field}", ep.bind_host, ep.port)
+                  for field, ep in events.endpoints]
+    return ports
+
+
+def check_serve(args: argparse.Namespace, ports_too: bool = True) -> str | None:
+    """What stops `serve` before it starts anything: a flag's value, a port in use (unless
+    not `ports_too`: `replicas` checks all of its replicas' together), a run dir another
+    serve holds (superinfer/ports.py)."""
     try:
         EngineConfig.from_args(args)  # flag errors here, not in a child's log
         if args.generation_config is not None:
             check_mode(args.generation_config)
+        ports = serve_ports(args)  # KVEventsConfigError is a ValueError
     except ValueError as e:
-        print(f"superinfer serve: error: {e}", file=sys.stderr)
-        return 2
-    problem = check_tensor_parallel(args)
+        return str(e)
+    return (check_tensor_parallel(args) or run_dir_problem(Path(args.run_dir))
+            or (port_problem(ports) if ports_too else None))
+
+
+def _serve(args: argparse.Namespace) -> int:
+    problem = check_serve(args)
     if problem:
-        print(f"superinfer serve: error: {problem}", file=sys.stderr)
+        print(f"superinfer serve: error: {problem}; nothing was started", file=sys.stderr)
         return 2
     run_dir = Path(args.run_dir)
     try:
@@ -283,9 +323,9 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     rc = 0
     try:
-        for spec in specs:
-            print(f"starting {spec.name} …", file=sys.stderr, flush=True)
-            sup.start(spec, args.startup_timeout)
+        print(f"starting {', '.join(spec.name for spec in specs)} …", file=sys.stderr,
+              flush=True)
+        sup.start_all(specs, args.startup_timeout)
         _print_ready(args, specs, run_dir)
         failed = sup.wait(poll_s=0.1, restart=policy if args.max_restarts else None,
                           startup_timeout_s=args.startup_timeout)
@@ -314,6 +354,11 @@ def _print_ready(args: argparse.Namespace, specs: list[ServiceSpec], run_dir: Pa
                   f"  client gRPC               {args.host}:{args.grpc_port}"]
     else:
         lines.append("  gateway                   not installed (gateway/server.py missing)")
+    events = parse_kv_events_config(args.kv_events_config)
+    if events is not None:
+        lines.append(f"  KV events (ZMQ PUB)       {events.endpoint.text}"
+                     + (f", replay {events.replay_endpoint.text}"
+                        if events.replay_endpoint else ""))
     lines += [f"  scheduler gRPC            127.0.0.1:{args.scheduler_port}",
               f"  run dir                   {run_dir.resolve()}",
               "  logs                      "

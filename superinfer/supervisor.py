@@ -123,27 +123,40 @@ class Supervisor:
 
     def start(self, spec: ServiceSpec, timeout_s: float) -> None:
         """Start one service and wait until it is ready; ServiceFailed if it is not."""
+        self.start_all([spec], timeout_s)
+
+    def start_all(self, specs: list[ServiceSpec], timeout_s: float) -> None:
+        """Start the services at once and wait until every one is ready (ServiceFailed
+        naming the first that dies or is not ready in time). Each waits for its peers by
+        itself (the scheduler for the worker and kvmem, the gateway's health for the
+        scheduler), so their imports and the model load overlap instead of queueing."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        # The child's console (JSON log lines, and any traceback from before logging
-        # was set up) goes to <name>.out; its JSON log proper is <name>.log.
-        out_path = self.run_dir / f"{spec.name}.out"
-        out = open(out_path, "ab")  # noqa: SIM115 - closed in stop_all
-        proc = self._spawn(spec, out)
-        child = _Child(spec, proc, out, out_path)
-        self.children.append(child)
-        probe, _ = spec.probe
+        pending: list[_Child] = []
+        for spec in specs:
+            # The child's console (JSON log lines, and any traceback from before logging
+            # was set up) goes to <name>.out; its JSON log proper is <name>.log.
+            out_path = self.run_dir / f"{spec.name}.out"
+            out = open(out_path, "ab")  # noqa: SIM115 - closed in stop_all
+            child = _Child(spec, self._spawn(spec, out), out, out_path)
+            self.children.append(child)
+            pending.append(child)
         deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise ServiceFailed(spec.name, f"{exit_reason(proc.returncode)} while starting",
+        while pending:
+            for child in list(pending):
+                code = child.proc.poll()
+                if code is not None:
+                    raise ServiceFailed(child.spec.name, f"{exit_reason(code)} while starting",
+                                        self.tail(child))
+                probe, _ = child.spec.probe
+                if probe():
+                    child.alive_at = time.monotonic()
+                    pending.remove(child)
+            if pending and time.monotonic() > deadline:
+                child = pending[0]
+                raise ServiceFailed(child.spec.name, f"not ready after {timeout_s:.0f} s",
                                     self.tail(child))
-            if probe():
-                child.alive_at = time.monotonic()
-                return
-            if time.monotonic() > deadline:
-                raise ServiceFailed(spec.name, f"not ready after {timeout_s:.0f} s",
-                                    self.tail(child))
-            time.sleep(0.2)
+            if pending:
+                time.sleep(0.2)
 
     def wait(
         self, poll_s: float = 0.5, restart: RestartPolicy | None = None,
