@@ -127,7 +127,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "max_model_len", "vocab_size", "num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "source_kind", "source_path")
+    __slots__ = ("name", "max_model_len", "vocab_size", "num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "source_kind", "source_path", "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,9 @@ class ModelInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_KIND_FIELD_NUMBER: _ClassVar[int]
     SOURCE_PATH_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_REPLAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_TOPIC_FIELD_NUMBER: _ClassVar[int]
     name: str
     max_model_len: int
     vocab_size: int
@@ -148,4 +151,7 @@ class ModelInfo(_message.Message):
     dtype: str
     source_kind: str
     source_path: str
-    def __init__(self, name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., source_kind: _Optional[str] = ..., source_path: _Optional[str] = ...) -> None: ...
+    kv_events_endpoint: str
+    kv_events_replay_endpoint: str
+    kv_events_topic: str
+    def __init__(self, name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., source_kind: _Optional[str] = ..., source_path: _Optional[str] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ..., kv_events_topic: _Optional[str] = ...) -> None: ...

@@ -13,7 +13,8 @@ per-request tables and their check/act pairs (`can_allocate`/`allocate`, `try_gr
   a released block may be reused;
 * `IterationPlan` (plan.py) — the transfer plan being built and the blocks its copies touch;
 * `PrefixIndex` (prefix.py) — block names, prefix lookup and attach, and the rules that
-  keep sharing safe (`prefix_caching=True`);
+  keep sharing safe (`prefix_caching=True`); every name given or taken goes to a
+  `KVEventSink` (kv_events.py; `set_event_sink`, by default nobody);
 * `SwapPlanner` (swap.py) — swap-out/in, their costs, eager copies;
 * `LossRecovery` (recovery.py) — forgetting what a peer lost;
 * `check_integrity` (integrity.py).
@@ -39,6 +40,7 @@ from scheduler_svc.blocks.prefix import PrefixIndex
 from scheduler_svc.blocks.recovery import LossRecovery
 from scheduler_svc.blocks.swap import SwapPlanner
 from scheduler_svc.blocks.table import BlockTable, RequestBlocks, num_synced
+from scheduler_svc.kv_events import KVEventSink
 from scheduler_svc.prefix_cache import PrefixHit
 from scheduler_svc.request import Request
 
@@ -270,6 +272,12 @@ class BlockManager:
         return list(self.pool.in_flight)
 
     # -- prefix caching (blocks/prefix.py) -------------------------------------------------------
+    def set_event_sink(self, events: KVEventSink, host_tier: bool = True) -> None:
+        """Report every block name given or taken in the device tier, and in the host
+        tier unless not `host_tier`, to `events` (KV events for a router:
+        scheduler_svc/kv_events.py). Default: nobody is told."""
+        self.prefix.set_events(events, host_tier)
+
     def cache_full_blocks(self, req: Request) -> None:
         """Name the request's newly settled full blocks (called when its KV settles)."""
         self.prefix.cache_full_blocks(req)

@@ -25,6 +25,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from scheduler_svc.kv_events import DEVICE_MEDIUM, NO_EVENTS, KVEventSink
+
 
 def root_hash(model_id: str) -> bytes:
     """The name every chain starts from: KV of another model (or dtype) never matches."""
@@ -45,14 +47,20 @@ class TierCache:
     `parked` maps an unreferenced block to a tag the block manager gives it (the newest
     batch in flight when it was released: until that batch is done the block may still be
     read, see blocks/pool.py). Insertion order is release order, so the oldest comes first.
+
+    Every name that goes is reported to `events` as removed from this tier's `medium`
+    (scheduler_svc/kv_events.py); names given are reported by the prefix index, which
+    knows their tokens.
     """
 
-    __slots__ = ("by_hash", "hash_of", "parked")
+    __slots__ = ("by_hash", "hash_of", "parked", "medium", "events")
 
-    def __init__(self) -> None:
+    def __init__(self, medium: str = DEVICE_MEDIUM, events: KVEventSink = NO_EVENTS) -> None:
         self.by_hash: dict[bytes, int] = {}
         self.hash_of: dict[int, bytes] = {}
         self.parked: OrderedDict[int, int] = OrderedDict()
+        self.medium = medium
+        self.events = events
 
     def __len__(self) -> int:
         return len(self.hash_of)
@@ -75,6 +83,8 @@ class TierCache:
         h = self.hash_of.pop(block, None)
         if h is not None:
             del self.by_hash[h]
+            if self.events.enabled:
+                self.events.removed((h,), self.medium)
 
     def park(self, block: int, tag: int) -> None:
         self.parked[block] = tag
@@ -100,6 +110,8 @@ class TierCache:
     def clear(self) -> list[int]:
         """Forget every name; return the parked blocks (now owned by no one)."""
         parked = list(self.parked)
+        if self.events.enabled and self.by_hash:
+            self.events.removed(list(self.by_hash), self.medium)
         self.by_hash.clear()
         self.hash_of.clear()
         self.parked.clear()

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import dataclasses
 import math
+import sys
 import uuid
 from collections.abc import AsyncIterator
 
@@ -22,11 +23,13 @@ from common.config import EngineConfig
 from common.daemon import Daemon, run_daemon
 from common.errors import RETRY_PUSHBACK_KEY
 from common.grammar import check as check_grammar
+from common.kv_events import KVEventsConfig, KVEventsConfigError, parse_kv_events_config
 from common.modelfile import resolve_model
 from common.tokenizer import Tokenizer
 from common.wire import grammar_from_proto
 from proto import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.fork import child_id, child_seed
+from scheduler_svc.kv_publisher import KVEventPublisher
 from scheduler_svc.loop import EventQueue, ServingLoop, StreamSink
 from scheduler_svc.remote import RPC_TIMEOUT_S, RemoteKVMem, RemoteWorker, wait_serving
 from scheduler_svc.request import SLO, InvalidSamplingParams, Request, SamplingParams
@@ -42,8 +45,13 @@ MAX_CHOICES = 32  # n (or best_of) of one request
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, config: EngineConfig, worker_addr: str, kvmem_addr: str,
-                 rpc_timeout_s: float = RPC_TIMEOUT_S) -> None:
+                 rpc_timeout_s: float = RPC_TIMEOUT_S,
+                 kv_events: KVEventsConfig | None = None,
+                 kv_events_host_tier: bool = True) -> None:
         self.config = config
+        self.kv_events = kv_events
+        self.kv_events_host_tier = kv_events_host_tier
+        self.publisher: KVEventPublisher | None = None
         self.worker_addr = worker_addr
         self.kvmem_addr = kvmem_addr
         self.rpc_timeout_s = rpc_timeout_s  # deadline of one Execute / Transfer
@@ -57,6 +65,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def start(self, connect_timeout_s: float) -> None:
         """Reach the worker and kvmem, build the scheduler from their pools, start the loop."""
+        if self.kv_events is not None:
+            # Bound first: a port in use fails the start now, not after the peers answer.
+            self.publisher = KVEventPublisher(self.kv_events)
+            self.publisher.bind()
         # Channels belong to the running event loop: made here, not in __init__.
         self.worker = worker = RemoteWorker(self.worker_addr, self.rpc_timeout_s)
         self.kvmem = kvmem = RemoteKVMem(self.kvmem_addr, self.rpc_timeout_s)
@@ -79,6 +91,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.info.CopyFrom(info)
         self.info.max_model_len = sched_cfg.max_model_len
         self.info.block_size = sched_cfg.block_size
+        if self.publisher is not None and self.kv_events is not None:
+            # The prefix index is the publisher's source: names given and taken in both
+            # tiers, from the first (scheduler_svc/kv_events.py).
+            self.publisher.block_size = sched_cfg.block_size
+            scheduler.bm.set_event_sink(self.publisher, self.kv_events_host_tier)
+            self.publisher.start()
+            self.info.kv_events_endpoint = self.kv_events.endpoint.text
+            if self.kv_events.replay_endpoint is not None:
+                self.info.kv_events_replay_endpoint = self.kv_events.replay_endpoint.text
+            self.info.kv_events_topic = self.kv_events.topic
         # A peer that dies later gets as long to come back as it got to start.
         trace = Trace(cfg.trace, "superinfer scheduler") if cfg.trace else None
         self.loop = ServingLoop(scheduler, worker, kvmem, handle.pool_id,
@@ -98,6 +120,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await asyncio.gather(self._task, return_exceptions=True)
         if self.loop is not None and self.loop.trace is not None:
             self.loop.trace.close()
+        if self.publisher is not None:
+            await self.publisher.close()
         for client in (self.worker, self.kvmem):
             if client is not None:
                 await client.close()
@@ -310,7 +334,8 @@ class SchedulerDaemon(Daemon):
         self.connect_timeout_s = args.connect_timeout
         self.shutdown_grace_s = args.shutdown_grace
         self.service = SchedulerService(
-            EngineConfig.from_args(args), args.worker_addr, args.kvmem_addr, args.batch_timeout
+            EngineConfig.from_args(args), args.worker_addr, args.kvmem_addr, args.batch_timeout,
+            parse_kv_events_config(args.kv_events_config), args.kv_events_tiers == "both",
         )
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -329,4 +354,9 @@ class SchedulerDaemon(Daemon):
 
 
 def main(args: argparse.Namespace) -> int:
-    return run_daemon(SchedulerDaemon(args), args)
+    try:
+        daemon = SchedulerDaemon(args)
+    except KVEventsConfigError as e:
+        print(f"superinfer scheduler: error: {e}", file=sys.stderr)
+        return 2
+    return run_daemon(daemon, args)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from scheduler_svc.blocks.allocator import BlockAllocator
 from scheduler_svc.blocks.plan import IterationPlan
+from scheduler_svc.kv_events import DEVICE_MEDIUM, HOST_MEDIUM
 from scheduler_svc.prefix_cache import TierCache
 
 
@@ -41,8 +42,8 @@ class BlockPool:
         # References from tables to each block (0: free, pending, held, or parked cached).
         self.dev_ref = [0] * num_device_blocks
         self.host_ref = [0] * num_host_blocks
-        self.dev_cache = TierCache()
-        self.host_cache = TierCache()
+        self.dev_cache = TierCache(DEVICE_MEDIUM)
+        self.host_cache = TierCache(HOST_MEDIUM)
         self.pending_device: dict[int, list[int]] = {}
         self.pending_host: dict[int, list[int]] = {}
         self.in_flight: list[int] = []  # iterations whose batch is in flight, in order

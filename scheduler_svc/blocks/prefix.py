@@ -30,7 +30,8 @@ from __future__ import annotations
 
 from scheduler_svc.blocks.pool import BlockPool
 from scheduler_svc.blocks.table import BlockTable, num_synced
-from scheduler_svc.prefix_cache import PrefixHit, chain_hash, root_hash
+from scheduler_svc.kv_events import NO_EVENTS, KVEventSink
+from scheduler_svc.prefix_cache import PrefixHit, TierCache, chain_hash, root_hash
 from scheduler_svc.request import Request
 
 NO_HIT = PrefixHit()
@@ -47,6 +48,21 @@ class PrefixIndex:
         self.enabled = enabled
         self.root = root_hash(model_id)
         self.hashes: dict[str, list[bytes]] = {}
+
+    def set_events(self, events: KVEventSink, host_tier: bool = True) -> None:
+        """Report every name given or taken in the device tier, and in the host tier unless
+        not `host_tier`, to `events` from now on (scheduler_svc/kv_events.py)."""
+        self.pool.dev_cache.events = events
+        self.pool.host_cache.events = events if host_tier else NO_EVENTS
+
+    def name(self, cache: TierCache, block: int, req: Request, i: int,
+             hashes: list[bytes]) -> None:
+        """Name `block` (in `cache`'s tier) as the request's full block i, whose name is
+        hashes[i]; a name given is reported as stored in that tier."""
+        if cache.name(block, hashes[i]) and cache.events.enabled:
+            bs = self.block_size
+            cache.events.stored((hashes[i],), hashes[i - 1] if i else None,
+                               req.token_ids_slice(i * bs, (i + 1) * bs), cache.medium)
 
     def block_hashes(self, req: Request, n: int) -> list[bytes]:
         """The names of (at least) the request's first n full blocks: the request's list
@@ -77,9 +93,9 @@ class PrefixIndex:
         for i in range(t.cached_next, synced):
             d, h = t.device[i], t.host[i]
             if d is not None:
-                dev_cache.name(d, hashes[i])
+                self.name(dev_cache, d, req, i, hashes)
             if h is not None:
-                host_cache.name(h, hashes[i])
+                self.name(host_cache, h, req, i, hashes)
         t.cached_next = synced
 
     def host_copy_of(self, req: Request, i: int) -> int | None:
@@ -162,7 +178,7 @@ class PrefixIndex:
             (plan.late_swap_in if late else plan.swap_in).append((b, d))
             it.filling.add(d)
             it.host_read.add(b)
-            pool.dev_cache.name(d, hashes[i])
+            self.name(pool.dev_cache, d, req, i, hashes)
             devs.append(d)
             t.host.append(b)
         t.device = devs

@@ -156,7 +156,8 @@ class SwapPlanner:
             busy.add(d)
             written.add(h)
             if caching and i < synced:
-                pool.host_cache.name(h, self.prefix.block_hashes(req, i + 1)[i])
+                self.prefix.name(pool.host_cache, h, req, i,
+                                 self.prefix.block_hashes(req, i + 1))
             if ref[d] == 1:
                 # Reusable once the copy has read it; its device name goes (the host has it).
                 if named:
@@ -209,7 +210,7 @@ class SwapPlanner:
                 pool.pending_host.setdefault(plan.fence, []).append(h)
                 t.host[i] = None
             elif hashes:
-                pool.dev_cache.name(d, hashes[i])
+                self.prefix.name(pool.dev_cache, d, req, i, hashes)
             devs.append(d)
         t.device = devs
         return len(reuse)
@@ -251,7 +252,7 @@ class SwapPlanner:
                         it.busy.add(d)
                         it.host_written.add(h)
                         if hashes:
-                            pool.host_cache.name(h, hashes[i])
+                            self.prefix.name(pool.host_cache, h, req, i, hashes)
                         n += 1
                 t.eager_next = i + 1
         return n
