@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway import grpc_api, openai_routes, ops_routes
+from gateway import grpc_api, openai_routes, ops_routes, router_routes
 from gateway.context import GatewayContext, GatewaySettings
 from gateway.errors import APIError
 from gateway.middleware import RequestContextMiddleware
@@ -56,10 +56,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.state.ctx = ctx
     app.include_router(openai_routes.router)
     app.include_router(ops_routes.router)
+    app.include_router(router_routes.router)
     _add_error_handlers(app, ctx)
     app.add_middleware(
         RequestContextMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
-        in_flight=ctx.in_flight, metrics=ctx.metrics,
+        in_flight=ctx.in_flight, metrics=ctx.metrics, replica_id=settings.replica_id,
     )
     return app
 

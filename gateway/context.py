@@ -25,6 +25,8 @@ class GatewaySettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT  # REST /v1/* and client gRPC together; 0: none
     generation_config: str = "auto"  # unset sampling fields: common/generation_defaults.py
+    # This replica's name for a router (/get_server_info, the X-SuperInfer-Replica header).
+    replica_id: str = ""
 
     def __post_init__(self) -> None:
         check_mode(self.generation_config)

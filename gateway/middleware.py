@@ -29,6 +29,11 @@ from gateway.openai_routes import GENERATION_PATHS
 log = structlog.get_logger()
 
 REQUEST_ID_HEADER = "x-request-id"
+# Which replica answered (--replica-id): kept by a router that passes response headers on,
+# so a client behind it can tell where each request went.
+REPLICA_HEADER = "x-superinfer-replica"
+# Not under /v1 but a client's request like those: the same key, size and in-flight limits.
+_API_PATHS = frozenset({"/tokenize"})
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
@@ -49,8 +54,10 @@ class RequestContextMiddleware:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         in_flight: InFlightLimit | None = None,
         metrics: GatewayMetrics | None = None,
+        replica_id: str = "",
     ) -> None:
         self.app = app
+        self._replica = [(REPLICA_HEADER.encode(), replica_id.encode())] if replica_id else []
         self._api_key = api_key.encode() if api_key else None
         self._max_body = max_body_bytes
         self._in_flight = in_flight or InFlightLimit(0)
@@ -73,7 +80,7 @@ class RequestContextMiddleware:
                     400, "X-Request-ID must be 1-128 characters of A-Z a-z 0-9 . _ -",
                     param="X-Request-ID", code="invalid_request_id",
                 )
-        api = scope["path"].startswith("/v1/")
+        api = scope["path"].startswith("/v1/") or scope["path"] in _API_PATHS
         if error is None and self._api_key and api:
             error = check_api_key(headers.get(b"authorization"), self._api_key)
         if error is None:
@@ -86,7 +93,8 @@ class RequestContextMiddleware:
             if message["type"] == "http.response.start":
                 message.setdefault("headers", [])
                 message["headers"] = [
-                    *message["headers"], (REQUEST_ID_HEADER.encode(), request_id.encode())
+                    *message["headers"], (REQUEST_ID_HEADER.encode(), request_id.encode()),
+                    *self._replica,
                 ]
             await send(message)
 

@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduler-addr", default="127.0.0.1:50051", help="scheduler gRPC address")
     g.add_argument("--served-model-name", default=None,
                    help="model name clients use (default: the scheduler's model name)")
+    g.add_argument("--replica-id", default=None,
+                   help="this replica's name for a router: /get_server_info's instance_id and "
+                        "every response's X-SuperInfer-Replica header (default: HOST:PORT)")
     g.add_argument("--run-dir", default="./.superinfer", help="where gateway.log and gateway.pid go")
     g.add_argument("--log-level", default="info", help="debug, info, warning, error")
     # From the environment by default: a flag's value is visible to every local user in ps.
@@ -64,6 +67,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         max_body_bytes=args.max_body_bytes,
         max_in_flight=args.max_in_flight,
         generation_config=args.generation_config,
+        replica_id=args.replica_id or f"{args.host}:{args.port}",
     )
 
 
