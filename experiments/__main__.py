@@ -33,6 +33,9 @@ STUDIES = {
     "quality": ("experiments.quality",
                 "perplexity and greedy agreement of each executor format vs float32"),
     "tp": ("experiments.tp", "tensor parallel: decode tok/s of 2 gloo ranks vs 1, synthetic model"),
+    "replicas": ("experiments.replicas",
+                 "two replicas behind vllm-router: round_robin, power_of_two, cache_aware, "
+                 "kv_aware on one multi-turn load"),
 }
 
 

@@ -108,6 +108,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         pass
     else:
         services_cli.add_parsers(sub)
+        from superinfer import replicas
+
+        replicas.add_parser(sub)
     return parser
 
 

@@ -28,10 +28,38 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVICES = {"worker", "kvmem", "scheduler", "gateway"}
 
 
-@pytest.fixture(scope="module")
-def compose() -> dict[str, Any]:
+def _services() -> dict[str, Any]:
     data: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     return data["services"]
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    """The default services (no profile)."""
+    return {k: v for k, v in _services().items() if not v.get("profiles")}
+
+
+def test_the_replicas_profile_routes_to_replicas_that_publish_kv_events() -> None:
+    """Two `serve` replicas, each with its KV events, behind vllm-router whose workers
+    name them at their ports (docs/routers.md)."""
+    from common.kv_events import parse_kv_events_config
+
+    profiled = {k: v for k, v in _services().items() if v.get("profiles")}
+    assert set(profiled) == {"replica-a", "replica-b", "router"}
+    ports = {}
+    for name in ("replica-a", "replica-b"):
+        args = parse(profiled[name]["command"])
+        assert args.command == "serve" and args.host == "0.0.0.0" and args.replica_id == name
+        assert parse_kv_events_config(args.kv_events_config) is not None
+        ports[name] = args.port
+        hc = parse(profiled[name]["healthcheck"]["test"][2:])
+        assert hc.addr == f"http://127.0.0.1:{args.port}/health"
+    router = profiled["router"]
+    assert router["entrypoint"] == ["vllm-router"]
+    cmd = router["command"]
+    urls = cmd[cmd.index("--worker-urls") + 1:cmd.index("--worker-urls") + 3]
+    assert urls == [f"http://{n}:{ports[n]}" for n in ("replica-a", "replica-b")]
+    assert set(router["depends_on"]) == set(ports)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -63,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="name of this run in the results and plot (default: the model name)")
     s.add_argument("--metrics-url", default=None,
                    help="Prometheus endpoint read before/after each pass (default: the base "
-                        "URL's root + /metrics; 'none' to skip)")
+                        "URL's root + /metrics; 'none' to skip); behind a router, the "
+                        "replicas' endpoints, comma-separated: their counters are summed")
     s.add_argument("--timeout", type=positive(float), default=600.0,
                    help="seconds to wait for the next chunk of a stream before failing it")
     w = p.add_argument_group("workload")

@@ -96,9 +96,19 @@ def metrics_url(base_url: str) -> str:
 
 async def scrape(url: str | None) -> dict[str, float] | None:
     """superinfer_* counters (the gateway's and the scheduler's) and the sums and counts of
-    its histograms, or None where the server has none."""
+    its histograms, or None where the server has none. Several URLs, comma-separated (the
+    replicas behind a router): their values summed."""
     if not url:
         return None
+    if "," in url:
+        parts = [await scrape(u.strip()) for u in url.split(",") if u.strip()]
+        if any(p is None for p in parts):
+            return None
+        total: dict[str, float] = {}
+        for p in parts:
+            for k, v in (p or {}).items():
+                total[k] = total.get(k, 0.0) + v
+        return total
     from prometheus_client.parser import text_string_to_metric_families
 
     try:

@@ -44,6 +44,8 @@ class StreamOutcome:
     finish_reason: str | None = None
     error: str | None = None
     http_status: int | None = None
+    # Which replica answered, behind a router (a SuperInfer replica's X-SuperInfer-Replica).
+    replica: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -170,6 +172,7 @@ async def send(
     try:
         async with client.stream("POST", path, json=body, headers=headers) as r:
             outcome.http_status = r.status_code
+            outcome.replica = r.headers.get("x-superinfer-replica")
             if r.status_code != 200:
                 outcome.error = error_body_message(r.status_code, await r.aread())
                 outcome.done_at = time.perf_counter()

@@ -135,6 +135,7 @@ def _detail(req: TraceRequest, o: StreamOutcome, start: float) -> dict[str, Any]
         "timed_chunks": len(o.chunk_times),
         "finish_reason": o.finish_reason,
         "http_status": o.http_status,
+        "replica": o.replica,
         "error": o.error,
     }
 
