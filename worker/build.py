@@ -37,6 +37,7 @@ from worker.loader import load_weights
 from worker.model import LlamaModel
 from worker.model_config import ModelConfig
 from worker.quality import perplexity, text
+from worker.quant import QGEMM_ACTIVATIONS
 from worker.runner import kv_block_bytes
 from worker.weights import WeightSet
 
@@ -93,7 +94,7 @@ def choose(requested: str, lm: LlamaModel, source: ModelSource, caps: Capabiliti
     if requested != "auto" or len(chain) == 1:
         return chain[0]
     machine = kernels.machine_key()
-    check = f"{CHECK_TOKENS}tok"
+    check = f"{CHECK_TOKENS}tok-qgemm-{QGEMM_ACTIVATIONS}"
     verdicts = read_verdicts()
     ids: list[int] | None = None
     ref: float | None = None

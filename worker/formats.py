@@ -6,7 +6,7 @@
 | ``bfloat16`` | bf16 | bf16 | native bf16 matmuls (avx512_bf16 or AMX) |
 | ``int8`` | int8 per row | int8 | native bf16 (torch's kernel takes bf16 activations) |
 | ``int4`` | int4 per 32 (Q4_x nibbles kept) | int8 | native bf16, torch's int4pack ops |
-| ``gguf`` | the file's Q4_1/Q4_0/Q8_0 blocks | the same | a GGUF file, the C++ kernels, AVX512-VNNI |
+| ``gguf`` | the file's Q4_1/Q4_0/Q8_0 blocks | the same | a GGUF file, the C++ kernels, AVX2 or AVX-512 |
 
 A matrix whose block type or shape a format cannot hold is stored dense (bf16 where the
 CPU has native bf16, else fp32): a GGUF with any quant type loads. ``float16`` is accepted
@@ -14,12 +14,13 @@ for old command lines and runs as ``bfloat16`` (no fast fp16 CPU kernels here).
 
 ``auto`` (the default) takes the first of `AUTO_ORDER` this machine runs whose perplexity
 on the shipped text (worker/quality.py) is within `QUALITY_TOLERANCE` of float32's, and
-logs the choice. The order is measured (docs/results/executor/): on this 2-core
-AVX-512 machine ``gguf`` is the fastest at batch 1, 8 and 32. Without VNNI, bf16 beats
-int4 from ~8 tokens per step on (DESIGN §1c), so ``bfloat16`` is next. The verdict is
-cached per model file, format and machine (`verdict_cache`), so only the first start pays
-the check (~3-6 s). An explicit format the machine cannot run falls back along
-`FALLBACK` with a logged warning; it is not quality-checked (it was asked for).
+logs the choice. The order is measured (docs/results/executor/): ``gguf`` is the fastest
+at batch 1, 8 and 32 on the 2-core AVX-512 and AVX2 machines measured; where its SIMD qgemm
+is missing, bf16 beats int4 from ~8 tokens per step on (DESIGN §1c), so ``bfloat16`` is
+next. The verdict is cached per model file, format, qgemm arithmetic and machine
+(`verdict_cache`), so only the first start pays the check (~3-6 s). An explicit format
+the machine cannot run falls back along `FALLBACK` with a logged warning; it is not
+quality-checked (it was asked for).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("bfloat16", "bf16", "bf16", ("bf16",)),
     Format("int8", "int8", "int8", ("bf16",)),
     Format("int4", "int4", "int8", ("bf16", "int4pack")),
-    Format("gguf", "gguf", "gguf", ("gguf_source", "kernels", "vnni")),
+    Format("gguf", "gguf", "gguf", ("gguf_source", "kernels", "qgemm")),
 )}
 AUTO_ORDER = ("gguf", "bfloat16", "float32")
 FALLBACK = {"gguf": "int4", "int4": "bfloat16", "int8": "bfloat16", "bfloat16": "float32",
@@ -63,7 +64,7 @@ FALLBACK = {"gguf": "int4", "int4": "bfloat16", "int8": "bfloat16", "bfloat16": 
 @dataclass(frozen=True, slots=True)
 class Capabilities:
     kernels: bool  # the C++ kernels built and loaded
-    vnni: bool  # ... with the AVX512-VNNI qgemm
+    qgemm: bool  # ... with a SIMD qgemm (AVX2 or AVX-512; else only its scalar reference)
     bf16: bool  # native bf16 matmuls
     int4pack: bool  # torch has the int4 weight-only CPU ops
     gguf_source: bool  # the model is a GGUF file (its blocks can be kept)
@@ -73,7 +74,7 @@ class Capabilities:
         aten = torch.ops.aten
         return cls(
             kernels=ops is not None,
-            vnni=bool(ops is not None and ops.have_vnni()),
+            qgemm=qgemm_isa(ops) not in ("none", "scalar"),
             bf16=native_bf16(),
             int4pack=hasattr(aten, "_weight_int4pack_mm_for_cpu")
             and hasattr(aten, "_convert_weight_to_int4pack_for_cpu"),
@@ -89,8 +90,15 @@ _NEED_TEXT = {
     "int4pack": "this torch has no int4 weight-only CPU kernels",
     "gguf_source": "the model is not a GGUF file",
     "kernels": "the C++ kernels are not available (see the kernels_unavailable warning)",
-    "vnni": "this CPU has no AVX512-VNNI",
+    "qgemm": "the C++ qgemm has no SIMD path for this CPU (it needs AVX2 with FMA and F16C, "
+             "or AVX-512BW)",
 }
+
+
+def qgemm_isa(ops: Any | None) -> str:
+    """The SIMD path the kernels' qgemm was built with (csrc/qgemm.cpp): ``avx512-vnni``,
+    ``avx512``, ``avx2-vnni``, ``avx2``; ``scalar`` (its slow reference) or ``none``."""
+    return "none" if ops is None else str(ops.qgemm_isa())
 
 
 def native_bf16() -> bool:

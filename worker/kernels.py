@@ -142,7 +142,7 @@ def _build() -> Any:
     seconds = time.perf_counter() - t0
     _state["seconds"] = seconds
     event = "kernels_built" if seconds > 5 else "kernels_loaded"
-    log.info(event, seconds=round(seconds, 2), dir=str(build_dir), vnni=bool(ops.have_vnni()))
+    log.info(event, seconds=round(seconds, 2), dir=str(build_dir), qgemm=str(ops.qgemm_isa()))
     return ops
 
 
@@ -158,8 +158,8 @@ def main() -> int:
     if ops is None:
         print(f"C++ kernels unavailable: {st['error']}", file=sys.stderr)
         return 1
-    print(f"C++ kernels ready in {st['seconds']:.1f} s (AVX512-VNNI qgemm: "
-          f"{bool(ops.have_vnni())}), cached under {cache_root()}")
+    print(f"C++ kernels ready in {st['seconds']:.1f} s (qgemm: {ops.qgemm_isa()}), "
+          f"cached under {cache_root()}")
     return 0
 
 

@@ -4,6 +4,8 @@ The text is chapters I-II of *Alice's Adventures in Wonderland* (worker/data/REA
 says where it came from and why it is public domain). Perplexity runs the text in windows
 of `WINDOW` tokens, each window in chunks of `CHUNK` (the first chunk a fresh prefill,
 the rest reading the pool, so both attention paths count), on a private KV pool.
+
+`greedy` generates for a batch of prompts (worker/agreement.py compares formats with it).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ blocks of 32 values along K. What each format makes of it:
 
 * Q4_1: fp16 d, fp16 m, 16 bytes; element j = qs[j] & 15, element j + 16 = qs[j] >> 4;
   w = q * d + m. Q4_0: fp16 d, 16 bytes; w = (q - 8) * d. Q8_0: fp16 d, 32 int8; w = q * d.
-* `pack_vnni` -> csrc/qgemm.cpp's layout, keeping every code and fp16 scale exactly
-  (Q4_1: u = q, m; Q4_0: u = q, m = -8 d; Q8_0: u = q + 128, m = -128 d).
+* `pack_qgemm` -> csrc/qgemm.cpp's layout, keeping every code and fp16 scale exactly
+  (Q4_1: u = q, m; Q4_0: u = q, m = -8 d; Q8_0: u = the signed q, m = 0).
 * `int4_from_nibbles` -> torch's ``_weight_int4pack_mm_for_cpu`` (weights (q - 8) * scale +
   zero per group of 32): Q4_1 maps exactly with scale = d, zero = m + 8 d, Q4_0 with
   zero = 0, except that the scales are stored in bf16: only bf16 activations and scales
@@ -25,7 +25,10 @@ import numpy as np
 import torch
 
 GROUP = 32
-VNNI_KINDS = ("Q4_1", "Q4_0", "Q8_0")
+QGEMM_KINDS = ("Q4_1", "Q4_0", "Q8_0")
+# qgemm's activation arithmetic (csrc/qgemm.cpp): part of `--dtype auto`'s cached verdicts,
+# so that a verdict on other arithmetic is not reused
+QGEMM_ACTIVATIONS = "int16"
 NIBBLE_KINDS = ("Q4_1", "Q4_0")
 
 
@@ -76,9 +79,9 @@ def _check_shape(raw: RawMatrix, what: str) -> None:
         raise QuantFormatError(f"{what} needs N % 16 == 0 and K % 32 == 0, got [{raw.n}, {raw.k}]")
 
 
-def pack_vnni(raw: RawMatrix) -> tuple[torch.Tensor, torch.Tensor, int]:
+def pack_qgemm(raw: RawMatrix) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(packed codes uint8, scales fp16 [tiles, G, 2, 16], bits) for csrc qgemm."""
-    if raw.kind not in VNNI_KINDS:
+    if raw.kind not in QGEMM_KINDS:
         raise QuantFormatError(f"qgemm has no {raw.kind} blocks")
     _check_shape(raw, "qgemm")
     n, k = raw.n, raw.k
@@ -93,19 +96,19 @@ def pack_vnni(raw: RawMatrix) -> tuple[torch.Tensor, torch.Tensor, int]:
         qs = b[..., 2:18]
     else:
         bits, d16 = 8, _f16(b[..., 0:2])
-        m16 = (d16.astype(np.float32) * -128).astype(np.float16)
+        m16 = np.zeros_like(d16)  # the signed codes are used as they are
+    t = n // 16
     if bits == 4:
         u = np.concatenate((qs & 0x0F, qs >> 4), axis=-1)  # [N, G, 32] codes in k order
+        u5 = u.reshape(t, 16, g, 4, 8)  # [tile, column, block, vector z, k - 8z]
+        # byte i of a column's 32-bit lane: nibbles (k, k + 2) with k = 8z + 4 (i % 2) + i // 2,
+        # so that nibble p of the lane's low / high 16-bit word is k = 8z + 2p / 8z + 2p + 1
+        packed = u5[..., [0, 4, 1, 5]] | (u5[..., [2, 6, 3, 7]] << 4)
     else:
-        u = (np.ascontiguousarray(b[..., 2:34]).view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-    t = n // 16
-    u5 = u.reshape(t, 16, g, 8, 4)  # [tile, column, block, slice s (k = 4s + i), byte i]
-    if bits == 4:
-        packed = u5[:, :, :, 0:4, :] | (u5[:, :, :, 4:8, :] << 4)  # slices s and s + 4
-        packed = packed.transpose(0, 2, 3, 1, 4)  # [tile, block, vector z, column, byte]
-    else:
-        packed = u5.transpose(0, 2, 3, 1, 4)  # [tile, block, slice, column, byte]
-    packed = np.ascontiguousarray(packed).reshape(-1)
+        q = np.ascontiguousarray(b[..., 2:34])  # int8 codes as bytes
+        u5 = q.reshape(t, 16, g, 8, 4)  # [tile, column, block, vector z, k - 4z]
+        packed = u5[..., [0, 2, 1, 3]]  # low bytes of the two words: (4z, 4z+1); high: (4z+2, 4z+3)
+    packed = np.ascontiguousarray(packed.transpose(0, 2, 3, 1, 4)).reshape(-1)  # [t, g, z, col, byte]
     sc = np.stack((d16.reshape(t, 16, g), m16.reshape(t, 16, g)), axis=1)  # [t, 2, 16, g]
     sc = np.ascontiguousarray(sc.transpose(0, 3, 1, 2))  # [tile, block, {d, m}, column]
     return (torch.from_numpy(packed), torch.from_numpy(sc.view(np.int16)).view(torch.float16),

@@ -7,7 +7,7 @@ Matrix formats (`Linear.fmt`):
 | ``fp32`` / ``bf16`` | dense | the same dtype | at::linear |
 | ``int8`` | int8 per row, bf16 scales | bf16 | ``_weight_int8pack_mm`` |
 | ``int4`` | int4 per 32, bf16 scale/zero | bf16 | ``_weight_int4pack_mm_for_cpu`` |
-| ``q4`` / ``q8`` | the GGUF file's own blocks | fp32 -> int8 per 32 | csrc qgemm |
+| ``q4`` / ``q8`` | the GGUF file's own blocks | fp32 -> int16 per 32 | csrc qgemm |
 
 A matrix asks for a format and takes the nearest one its source allows
 (`make_linear`): ``q4``/``q8`` need GGUF Q4_1, Q4_0 or Q8_0 blocks; a block type the fast
@@ -30,7 +30,7 @@ from worker.quant import (
     int4_requantize,
     int8_rows,
     nibbles_scales,
-    pack_vnni,
+    pack_qgemm,
 )
 
 # The C++ Model's codes for the matrix formats (csrc/model.cpp Fmt).
@@ -100,7 +100,7 @@ def make_linear(src: MatrixSource, fmt: str, dense_fallback: torch.dtype) -> Lin
         if fmt == "gguf":
             if raw is None:
                 raise QuantFormatError("no GGUF blocks")
-            w, sc, bits = pack_vnni(raw)
+            w, sc, bits = pack_qgemm(raw)
             return Linear("q4" if bits == 4 else "q8", w, sc, raw.n, raw.k, src.bias)
         if fmt == "int4":
             if raw is not None and raw.kind in NIBBLE_KINDS:

@@ -1,7 +1,8 @@
 // Paged attention over the block-first pool, reading K/V where they lie (no gather into
 // a padded copy). One description serves decode rows (ctx = position + 1) and prefill
-// rows with a cached prefix (each row its own causal limit). An AVX-512 path specialised
-// on head_dim (64, 128) and the query heads per KV head, a generic path otherwise.
+// rows with a cached prefix (each row its own causal limit). A vector path (AVX-512 or AVX2,
+// common.h Vf) specialised on head_dim (64, 128) and the query heads per KV head, a generic
+// path otherwise.
 #include "common.h"
 #include "ops.h"
 
@@ -75,29 +76,31 @@ void paged_attn_impl(const TA* q, int64_t ldq, TA* out, int64_t ldo, const TK* k
 }
 
 
-#if defined(__AVX512F__)
-// One (query row, kv head) item with head_dim = 16 * NV and GRP query heads per kv head.
-template <int NV, int GRP, typename TA, typename TK>
-void attn_item_avx512(const TA* q, TA* out, const TK* kv, KVGeom g, int64_t layer,
-                      const int32_t* tab, int64_t L, int64_t h, float scale, float* sc) {
-  constexpr int HD = 16 * NV;
+#if SI_VF
+// One (query row, kv head) item with head_dim HD (a multiple of the vector width) and GRP
+// query heads per kv head.
+template <int HD, int GRP, typename TA, typename TK>
+void attn_item_vec(const TA* q, TA* out, const TK* kv, KVGeom g, int64_t layer,
+                   const int32_t* tab, int64_t L, int64_t h, float scale, float* sc) {
+  constexpr int W = Vf::W, NV = HD / W;
+  using V = Vf::T;
   const int64_t bs = g.bs, ts = g.tok_stride();
-  __m512 qv[GRP][NV];
+  V qv[GRP][NV];
   for (int gq = 0; gq < GRP; ++gq)
     for (int v = 0; v < NV; ++v)
-      qv[gq][v] = _mm512_mul_ps(ld16(q + (h * GRP + gq) * HD + 16 * v), _mm512_set1_ps(scale));
+      qv[gq][v] = Vf::mul(Vf::load(q + (h * GRP + gq) * HD + W * v), Vf::set1(scale));
   // scores, stored [GRP][L]
   for (int64_t j0 = 0, bi = 0; j0 < L; j0 += bs, ++bi) {
     const TK* kb = kv + tab[bi] * g.block_stride() + layer * g.layer_stride() + h * HD;
     const int64_t n = std::min(bs, L - j0);
     for (int64_t o = 0; o < n; ++o) {
       const TK* kp = kb + o * ts;
-      __m512 kk[NV];
-      for (int v = 0; v < NV; ++v) kk[v] = ld16(kp + 16 * v);
+      V kk[NV];
+      for (int v = 0; v < NV; ++v) kk[v] = Vf::load(kp + W * v);
       for (int gq = 0; gq < GRP; ++gq) {
-        __m512 a = _mm512_mul_ps(qv[gq][0], kk[0]);
-        for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(qv[gq][v], kk[v], a);
-        sc[gq * L + j0 + o] = _mm512_reduce_add_ps(a);
+        V a = Vf::mul(qv[gq][0], kk[0]);
+        for (int v = 1; v < NV; ++v) a = Vf::fmadd(qv[gq][v], kk[v], a);
+        sc[gq * L + j0 + o] = Vf::reduce_add(a);
       }
     }
   }
@@ -105,74 +108,73 @@ void attn_item_avx512(const TA* q, TA* out, const TK* kv, KVGeom g, int64_t laye
   float inv[GRP];
   for (int gq = 0; gq < GRP; ++gq) {
     float* s = sc + gq * L;
-    __m512 mv = _mm512_set1_ps(-INFINITY);
+    V mv = Vf::set1(-INFINITY);
     int64_t j = 0;
-    for (; j + 16 <= L; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
-    float m = _mm512_reduce_max_ps(mv);
+    for (; j + W <= L; j += W) mv = Vf::max(mv, Vf::load(s + j));
+    float m = Vf::reduce_max(mv);
     for (; j < L; ++j) m = std::max(m, s[j]);
-    const __m512 mm = _mm512_set1_ps(m);
-    __m512 sv = _mm512_setzero_ps();
+    const V mm = Vf::set1(m);
+    V sv = Vf::zero();
     j = 0;
-    for (; j + 16 <= L; j += 16) {
-      __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j), mm));
-      _mm512_storeu_ps(s + j, e);
-      sv = _mm512_add_ps(sv, e);
+    for (; j + W <= L; j += W) {
+      const V e = vexp(Vf::sub(Vf::load(s + j), mm));
+      Vf::store(s + j, e);
+      sv = Vf::add(sv, e);
     }
     if (j < L) {
-      const __mmask16 k = static_cast<__mmask16>((1u << (L - j)) - 1);
-      __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), mm));
-      e = _mm512_maskz_mov_ps(k, e);
-      _mm512_mask_storeu_ps(s + j, k, e);
-      sv = _mm512_add_ps(sv, e);
+      const int rest = static_cast<int>(L - j);
+      const V e = Vf::keep_first(vexp(Vf::sub(Vf::load_first(s + j, rest), mm)), rest);
+      Vf::store_first(s + j, e, rest);
+      sv = Vf::add(sv, e);
     }
-    inv[gq] = 1.0f / _mm512_reduce_add_ps(sv);
+    inv[gq] = 1.0f / Vf::reduce_add(sv);
   }
-  __m512 acc[GRP][NV];
+  V acc[GRP][NV];
   for (int gq = 0; gq < GRP; ++gq)
-    for (int v = 0; v < NV; ++v) acc[gq][v] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v) acc[gq][v] = Vf::zero();
   for (int64_t j0 = 0, bi = 0; j0 < L; j0 += bs, ++bi) {
     const TK* vb = kv + tab[bi] * g.block_stride() + layer * g.layer_stride() + g.kv_stride() + h * HD;
     const int64_t n = std::min(bs, L - j0);
     for (int64_t o = 0; o < n; ++o) {
       const TK* vp = vb + o * ts;
-      __m512 vv[NV];
-      for (int v = 0; v < NV; ++v) vv[v] = ld16(vp + 16 * v);
+      V vv[NV];
+      for (int v = 0; v < NV; ++v) vv[v] = Vf::load(vp + W * v);
       for (int gq = 0; gq < GRP; ++gq) {
-        const __m512 p = _mm512_set1_ps(sc[gq * L + j0 + o]);
-        for (int v = 0; v < NV; ++v) acc[gq][v] = _mm512_fmadd_ps(p, vv[v], acc[gq][v]);
+        const V p = Vf::set1(sc[gq * L + j0 + o]);
+        for (int v = 0; v < NV; ++v) acc[gq][v] = Vf::fmadd(p, vv[v], acc[gq][v]);
       }
     }
   }
   for (int gq = 0; gq < GRP; ++gq) {
-    const __m512 iv = _mm512_set1_ps(inv[gq]);
-    alignas(64) float tmp[16];
+    const V iv = Vf::set1(inv[gq]);
+    alignas(64) float tmp[W];
     for (int v = 0; v < NV; ++v) {
-      _mm512_store_ps(tmp, _mm512_mul_ps(acc[gq][v], iv));
-      TA* o = out + (h * GRP + gq) * HD + 16 * v;
-      for (int l = 0; l < 16; ++l) o[l] = cvt<TA>(tmp[l]);
+      Vf::store(tmp, Vf::mul(acc[gq][v], iv));
+      TA* o = out + (h * GRP + gq) * HD + W * v;
+      for (int l = 0; l < W; ++l) o[l] = cvt<TA>(tmp[l]);
     }
   }
 }
 
-template <int NV, int GRP, typename TA, typename TK>
-void paged_attn_avx512(const TA* q, int64_t ldq, TA* out, int64_t ldo, const TK* kv, KVGeom g,
-                       int64_t layer, const int32_t* tables, int64_t tstride, const int32_t* qrow,
-                       const int32_t* ctx, const int32_t* qidx, int64_t nq, float scale,
-                       int64_t grain_work) {
+template <int HD, int GRP, typename TA, typename TK>
+void paged_attn_vec(const TA* q, int64_t ldq, TA* out, int64_t ldo, const TK* kv, KVGeom g,
+                    int64_t layer, const int32_t* tables, int64_t tstride, const int32_t* qrow,
+                    const int32_t* ctx, const int32_t* qidx, int64_t nq, float scale,
+                    int64_t grain_work) {
   int64_t maxL = 1, sumL = 0;
   for (int64_t i = 0; i < nq; ++i) {
     maxL = std::max<int64_t>(maxL, ctx[qidx[i]]);
     sumL += ctx[qidx[i]];
   }
   const int64_t hkv = g.hkv, items = nq * hkv;
-  const int64_t per_item = std::max<int64_t>(1, sumL / nq) * GRP * 16 * NV * 2;
+  const int64_t per_item = std::max<int64_t>(1, sumL / nq) * GRP * HD * 2;
   at::parallel_for(0, items, grain_for(per_item, grain_work), [&](int64_t b, int64_t e) {
-    std::vector<float> sc(GRP * maxL + 16);
+    std::vector<float> sc(GRP * maxL + Vf::W);
     for (int64_t it = b; it < e; ++it) {
       const int64_t t = qidx[it / hkv], h = it % hkv;
-      attn_item_avx512<NV, GRP>(q + t * ldq, out + t * ldo, kv, g, layer,
-                                tables + static_cast<int64_t>(qrow[t]) * tstride, ctx[t], h, scale,
-                                sc.data());
+      attn_item_vec<HD, GRP>(q + t * ldq, out + t * ldo, kv, g, layer,
+                             tables + static_cast<int64_t>(qrow[t]) * tstride, ctx[t], h, scale,
+                             sc.data());
     }
   });
 }
@@ -183,14 +185,14 @@ bool paged_attn_fast(const TA* q, int64_t ldq, TA* out, int64_t ldo, const TK* k
                      const int32_t* ctx, const int32_t* qidx, int64_t nq, int64_t hq, float scale,
                      int64_t grain_work) {
   const int64_t grp = hq / g.hkv;
-#define SI_ATTN(NV, GRP)                                                                    \
-  if (g.hd == 16 * NV && grp == GRP) {                                                      \
-    paged_attn_avx512<NV, GRP>(q, ldq, out, ldo, kv, g, layer, tables, tstride, qrow, ctx,  \
-                               qidx, nq, scale, grain_work);                                \
+#define SI_ATTN(HD, GRP)                                                                    \
+  if (g.hd == HD && grp == GRP) {                                                           \
+    paged_attn_vec<HD, GRP>(q, ldq, out, ldo, kv, g, layer, tables, tstride, qrow, ctx,     \
+                            qidx, nq, scale, grain_work);                                   \
     return true;                                                                            \
   }
-  SI_ATTN(4, 1) SI_ATTN(4, 2) SI_ATTN(4, 3) SI_ATTN(4, 4) SI_ATTN(4, 8)
-  SI_ATTN(8, 1) SI_ATTN(8, 2) SI_ATTN(8, 4) SI_ATTN(8, 8)
+  SI_ATTN(64, 1) SI_ATTN(64, 2) SI_ATTN(64, 3) SI_ATTN(64, 4) SI_ATTN(64, 8)
+  SI_ATTN(128, 1) SI_ATTN(128, 2) SI_ATTN(128, 4) SI_ATTN(128, 8)
 #undef SI_ATTN
   return false;
 }

@@ -1,4 +1,5 @@
-// Shared helpers of the CPU kernels: bf16 <-> fp32, AVX-512 loads and exp, fork grains,
+// Shared helpers of the CPU kernels: bf16 <-> fp32, float vectors (AVX-512 or AVX2) and exp,
+// fork grains,
 // and the geometry of the block-first KV pool
 //   kv[num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim].
 //
@@ -14,7 +15,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -42,28 +43,105 @@ template <> inline BFloat16 cvt<BFloat16>(float v) {
   return r;
 }
 
+// Vf: the float vector of the widest ISA built for (AVX-512: 16 lanes, AVX2 + FMA: 8), the
+// primitives the attention and SwiGLU kernels are written once over. SI_VF is 0 without it
+// (those kernels then take their scalar loops).
 #if defined(__AVX512F__)
-inline __m512 ld16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 ld16(const BFloat16* p) {
-  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
+#define SI_VF 1
+struct Vf {
+  using T = __m512;
+  static constexpr int W = 16;
+  static T zero() { return _mm512_setzero_ps(); }
+  static T set1(float v) { return _mm512_set1_ps(v); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static T load(const BFloat16* p) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+  }
+  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+  // the first n < W lanes; the others read as 0 / are left alone
+  static T load_first(const float* p, int n) {
+    return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+  }
+  static void store_first(float* p, T v, int n) {
+    _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), v);
+  }
+  static T keep_first(T v, int n) { return _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << n) - 1), v); }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static T div(T a, T b) { return _mm512_div_ps(a, b); }
+  static T max(T a, T b) { return _mm512_max_ps(a, b); }
+  static T min(T a, T b) { return _mm512_min_ps(a, b); }
+  static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static float reduce_add(T v) { return _mm512_reduce_add_ps(v); }
+  static float reduce_max(T v) { return _mm512_reduce_max_ps(v); }
+  static T round(T v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static T fnmadd(T a, T b, T c) { return _mm512_fnmadd_ps(a, b, c); }
+  static T pow2(T p, T n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SI_VF 1
+struct Vf {
+  using T = __m256;
+  static constexpr int W = 8;
+  static T zero() { return _mm256_setzero_ps(); }
+  static T set1(float v) { return _mm256_set1_ps(v); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static T load(const BFloat16* p) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+  }
+  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+  static __m256i first(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static T load_first(const float* p, int n) { return _mm256_maskload_ps(p, first(n)); }
+  static void store_first(float* p, T v, int n) { _mm256_maskstore_ps(p, first(n), v); }
+  static T keep_first(T v, int n) { return _mm256_and_ps(v, _mm256_castsi256_ps(first(n))); }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static T div(T a, T b) { return _mm256_div_ps(a, b); }
+  static T max(T a, T b) { return _mm256_max_ps(a, b); }
+  static T min(T a, T b) { return _mm256_min_ps(a, b); }
+  static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static float reduce_add(T v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  static float reduce_max(T v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+  }
+  static T round(T v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static T fnmadd(T a, T b, T c) { return _mm256_fnmadd_ps(a, b, c); }
+  static T pow2(T p, T n) {  // n in [-126, 127] here: build 2^n's exponent bits
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  }
+};
+#else
+#define SI_VF 0
+#endif
 
+#if SI_VF
 // exp(x) with x clamped to [-87, 88]: 2^n * p(r), relative error < 2e-7
-inline __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
+inline Vf::T vexp(Vf::T x) {
+  x = Vf::min(Vf::max(x, Vf::set1(-87.0f)), Vf::set1(88.0f));
+  const Vf::T n = Vf::round(Vf::mul(x, Vf::set1(1.44269504088896341f)));
+  Vf::T r = Vf::fnmadd(n, Vf::set1(0.693359375f), x);
+  r = Vf::fnmadd(n, Vf::set1(-2.12194440e-4f), r);
+  Vf::T p = Vf::set1(1.9875691500e-4f);
+  p = Vf::fmadd(p, r, Vf::set1(1.3981999507e-3f));
+  p = Vf::fmadd(p, r, Vf::set1(8.3334519073e-3f));
+  p = Vf::fmadd(p, r, Vf::set1(4.1665795894e-2f));
+  p = Vf::fmadd(p, r, Vf::set1(1.6666665459e-1f));
+  p = Vf::fmadd(p, r, Vf::set1(5.0000001201e-1f));
+  p = Vf::fmadd(p, Vf::mul(r, r), Vf::add(r, Vf::set1(1.0f)));
+  return Vf::pow2(p, n);
 }
 #endif
 

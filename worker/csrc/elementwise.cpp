@@ -140,14 +140,14 @@ static void silu_mul_impl(const T* gu, T* out, int64_t R, int64_t F) {
       const T* u = g + F;
       T* o = out + r * F;
       int64_t i = 0;
-#if defined(__AVX512F__)
-      alignas(64) float tmp[16];
-      for (; i + 16 <= F; i += 16) {
-        const __m512 x = ld16(g + i);
-        const __m512 den =
-            _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), x)));
-        _mm512_store_ps(tmp, _mm512_mul_ps(_mm512_div_ps(x, den), ld16(u + i)));
-        for (int l = 0; l < 16; ++l) o[i + l] = cvt<T>(tmp[l]);
+#if SI_VF
+      constexpr int W = Vf::W;
+      alignas(64) float tmp[W];
+      for (; i + W <= F; i += W) {
+        const Vf::T x = Vf::load(g + i);
+        const Vf::T den = Vf::add(Vf::set1(1.0f), vexp(Vf::sub(Vf::zero(), x)));
+        Vf::store(tmp, Vf::mul(Vf::div(x, den), Vf::load(u + i)));
+        for (int l = 0; l < W; ++l) o[i + l] = cvt<T>(tmp[l]);
       }
 #endif
       for (; i < F; ++i) {

@@ -2,7 +2,7 @@
 // Python-level torch ops), called with the GIL released, and the Python module.
 //
 // A matrix is one of: DENSE (fp32 or bf16, at::linear), INT8 / INT4 (torch's weight-only
-// CPU kernels, bf16 activations), Q4 / Q8 (qgemm over GGUF blocks, fp32 activations).
+// CPU kernels, bf16 activations), Q4 / Q8 (qgemm over GGUF blocks, fp32 activations quantized to int16 inside).
 // The residual stream is fp32; each norm emits the dtype its next matmul takes.
 #include <torch/extension.h>
 
@@ -149,10 +149,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "attention over the paged pool, in place",
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
-  m.def("qgemm", &qgemm, "x @ W^T over GGUF-style packed blocks (AVX512-VNNI)", py::arg("x"),
+  m.def("qgemm", &qgemm, "x @ W^T over GGUF-style packed blocks (int16 activations)", py::arg("x"),
         py::arg("w"), py::arg("sc"), py::arg("bits"), py::arg("n"), py::arg("reference") = false,
         py::call_guard<py::gil_scoped_release>());
-  m.def("have_vnni", &have_vnni, "qgemm was built with AVX512-VNNI (else: scalar reference)");
+  m.def("qgemm_isa", &qgemm_isa, "qgemm's SIMD path: avx512-vnni, avx512, avx2-vnni, avx2 or scalar");
   m.def("set_grains", &set_grains, "work per thread before a kernel forks (<= 0: unchanged)",
         py::arg("elementwise") = 0, py::arg("attention") = 0, py::arg("qgemm") = 0);
   py::class_<Model>(m, "Model")

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <string>
 
 namespace si {
 
@@ -29,6 +30,7 @@ at::Tensor silu_mul(const at::Tensor& gu);
 // x [M, K] (fp32 or bf16) @ W^T -> fp32 [M, n] over GGUF-style packed blocks (see qgemm.cpp).
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc, int64_t bits,
                  int64_t n, bool reference);
-bool have_vnni();
+// the SIMD path qgemm was built with: avx512-vnni, avx512, avx2-vnni, avx2, or scalar
+std::string qgemm_isa();
 
 }  // namespace si
