@@ -42,12 +42,12 @@ generate-demo: venv
 test: venv
 	-$(BIN)/python -m worker.kernels
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests experiments/tests -m "not slow" \
-	    -n 2 --dist loadgroup --durations=20
+	    -n 2 --dist loadscope --durations=20
 
 test-all: venv
 	-$(BIN)/python -m worker.kernels
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests experiments/tests \
-	    -n 2 --dist loadgroup --durations=20
+	    -n 2 --dist loadscope --durations=20
 
 # docs/cli.md from the parser (tests/test_cli_doc.py fails while it is stale).
 cli-doc: venv

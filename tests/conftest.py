@@ -27,16 +27,48 @@ GROUPS = {
     "test_bench_serve": "shared_stack",
     "test_engine_vs_hf": "transformers", "test_prefix_cache_model": "transformers",
 }
+# The longest groups (a full run's --durations on 2 cores, most first) start first, so that
+# the two workers finish together instead of one running the longest module alone at the end.
+LONGEST = ["test_router", "transformers", "test_tensor_parallel_stack", "test_lm_eval",
+           "test_recovery", "test_sampling_features", "test_admission_security",
+           "test_rotasched", "shared_stack", "test_executor", "test_tensor_parallel"]
+
+
+def _group(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0].removesuffix(".py")
+    module = path.rsplit("/", 1)[-1]
+    return GROUPS.get(module, module if module in LONGEST else path)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`make test` runs on two xdist workers: each module's tests on one worker (its
+    module-scoped stack or model starts once), GROUPS' modules together, LONGEST first.
+    A scheduler of our own rather than `--dist loadgroup`: xdist 3.8 tags a test's group by
+    rewriting its node id, which pytest 9.2 ignores, so every test went its own way and a
+    module's stack started on both workers."""
+    from collections import OrderedDict
+
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):  # type: ignore[misc]
+        ordered = False
+
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+        def _assign_work_unit(self, node: object) -> None:
+            if not self.ordered:
+                self.ordered = True
+                rank = {g: i for i, g in enumerate(LONGEST)}
+                order = sorted(self.workqueue, key=lambda g: rank.get(g, len(LONGEST)))
+                self.workqueue = OrderedDict((g, self.workqueue[g]) for g in order)
+            super()._assign_work_unit(node)
+
+    return ModuleGroups(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # `make test` runs on two xdist workers with --dist loadgroup: a module's tests stay
-    # together (its module-scoped stack or model starts once), GROUPS' modules too.
-    for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else item.nodeid
-        group = GROUPS.get(module, module)
-        item.add_marker(pytest.mark.xdist_group(group))
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return
