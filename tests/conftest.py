@@ -50,8 +50,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
     from xdist.scheduler import LoadScopeScheduling
 
-    class ModuleGroups(LoadScopeScheduling):  # type: ignore[misc]
+    class ModuleGroups(LoadScopeScheduling):
         ordered = False
+        workqueue: OrderedDict[str, dict[str, bool]]
 
         def _split_scope(self, nodeid: str) -> str:
             return _group(nodeid)
