@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING, Protocol
 from common.contracts import ExecuteResult, ScheduledChunk, TransferPlan, TransferResult
 
 if TYPE_CHECKING:
+    from scheduler_svc.queue import RequestQueue
+    from scheduler_svc.recovery import Recovery
     from scheduler_svc.request import Request
-    from scheduler_svc.scheduler_config import RequestEvent
+    from scheduler_svc.scheduler_config import RequestEvent, SchedulerConfig, SchedulerStats
 
 
 @dataclass(slots=True)
@@ -74,6 +76,12 @@ class SchedulerInterface(Protocol):
     hold it through this."""
 
     clock: Callable[[], float]
+    config: SchedulerConfig
+    requests: dict[str, Request]  # every unfinished request by id
+    waiting: RequestQueue
+    running: RequestQueue
+    rotary: RequestQueue  # started, KV parked in host memory
+    stats: SchedulerStats
 
     @property
     def pipelined(self) -> bool:
@@ -97,6 +105,13 @@ class SchedulerInterface(Protocol):
         """The iteration's batch ran: its KV is settled and its sampled tokens land."""
 
     def charge_transfer_stall(self, out: SchedulerOutput, seconds: float) -> None: ...
+
+    def abandon_in_flight(self) -> list[SchedulerOutput]:
+        """Every batch in flight is lost (a peer failed): roll them back, newest first."""
+
+    def kv_lost(self, *, device: bool = False, host: bool = False,
+                failed: TransferPlan | None = None) -> Recovery:
+        """Put every request where it can resume from after a peer lost KV memory."""
 
     def load(self) -> dict[str, float]:
         """Queue lengths and free blocks now (the trace's load track)."""

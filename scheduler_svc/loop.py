@@ -36,9 +36,10 @@ from common.contracts import (
     TransferResult,
 )
 from scheduler_svc.engine_core import EngineCore
+from scheduler_svc.interfaces import SchedulerInterface
 from scheduler_svc.remote import RemoteKVMem, RemoteWorker
 from scheduler_svc.request import Request
-from scheduler_svc.scheduler import RequestEvent, Scheduler
+from scheduler_svc.scheduler import RequestEvent
 from scheduler_svc.setup import model_identity
 from scheduler_svc.slo_attribution import MissHistograms
 from scheduler_svc.trace import Trace
@@ -157,7 +158,7 @@ class _Outage:
 class ServingLoop:
     def __init__(
         self,
-        scheduler: Scheduler,
+        scheduler: SchedulerInterface,
         worker: RemoteWorker,
         kvmem: RemoteKVMem,
         pool_id: str,

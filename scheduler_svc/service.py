@@ -309,14 +309,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         counters = {k: float(v) for k, v in s.stats.as_dict().items()
                     if isinstance(v, int | float)}
         counters.update(loop.stats_dict())
+        now = s.load()
         return scheduler_pb2.StatsReply(
             waiting=len(s.waiting),
             running=len(s.running),
             rotary=len(s.rotary),
             device_blocks_total=s.config.num_device_blocks,
-            device_blocks_free=s.bm.num_free_device,
+            device_blocks_free=int(now["device_blocks_free"]),
             host_blocks_total=s.config.num_host_blocks,
-            host_blocks_free=s.bm.num_free_host,
+            host_blocks_free=int(now["host_blocks_free"]),
             counters=counters,
         )
 
