@@ -7,7 +7,7 @@ OUTX := .experiments
 .PHONY: reproduce-rotasched reproduce-rotasched-real reproduce-decision-cost \
 	reproduce-simulator reproduce-simulator-figures reproduce-pipeline reproduce-duplexkv \
 	reproduce-executor reproduce-prefix-cache reproduce-tensor-parallel reproduce-grammar \
-	reproduce-compose
+	reproduce-compose reproduce-replicas
 
 # The simulator's must-show cells, three seeds (~1 h on 2 cores).
 reproduce-rotasched: venv
@@ -74,3 +74,8 @@ reproduce-grammar: venv
 # Needs a Docker engine.
 reproduce-compose: venv
 	$(BIN)/python scripts/compose_check.py --json $(OUTX)/compose.json
+
+# Two replicas behind vllm-router: the four router policies on one multi-turn load
+# (~15 min on 2 cores); the failure and events-only checks are tests/test_router.py.
+reproduce-replicas: venv
+	OMP_NUM_THREADS=1 $(PYX) replicas --out $(OUTX)/replicas
