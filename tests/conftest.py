@@ -26,12 +26,13 @@ GROUPS = {
     "test_gateway": "shared_stack", "test_openai_features": "shared_stack",
     "test_bench_serve": "shared_stack",
     "test_engine_vs_hf": "transformers", "test_prefix_cache_model": "transformers",
+    "test_lm_eval": "transformers",
 }
 # The longest groups (a full run's --durations on 2 cores, most first) start first, so that
 # the two workers finish together instead of one running the longest module alone at the end.
-LONGEST = ["test_router", "transformers", "test_tensor_parallel_stack", "test_lm_eval",
-           "test_recovery", "test_sampling_features", "test_admission_security",
-           "test_rotasched", "shared_stack", "test_executor", "test_tensor_parallel"]
+LONGEST = ["test_router", "transformers", "test_tensor_parallel_stack", "test_recovery",
+           "test_sampling_features", "test_admission_security", "test_rotasched",
+           "shared_stack", "test_executor", "test_tensor_parallel"]
 
 
 def _group(nodeid: str) -> str:

@@ -12,7 +12,7 @@ import pytest
 from common.config import EngineConfig
 from scheduler_svc.request import SamplingParams
 from superinfer.engine import LLMEngine
-from tests.hf_reference import hf_greedy
+from tests.hf_reference import hf_greedy_from
 
 NEW_TOKENS = 32
 
@@ -52,11 +52,6 @@ def prompt_ids(engine: LLMEngine) -> list[list[int]]:
     return [engine.encode_prompt(p, chat=chat) for p, chat in PROMPTS]
 
 
-@pytest.fixture(scope="module")
-def hf_reference(engine: LLMEngine, prompt_ids: list[list[int]]) -> list[list[int]]:
-    return hf_greedy(engine.source.path, prompt_ids, NEW_TOKENS)
-
-
 def _greedy() -> SamplingParams:
     return SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
@@ -65,10 +60,24 @@ def _run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
     return [r.token_ids for r in engine.generate(prompts, _greedy())]
 
 
+@pytest.fixture(scope="module")
+def one_at_a_time(engine: LLMEngine, prompt_ids: list[list[int]]) -> list[list[int]]:
+    """Our greedy tokens, one prompt at a time."""
+    return [_run(engine, [ids])[0] for ids in prompt_ids]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(engine: LLMEngine, prompt_ids: list[list[int]],
+                 one_at_a_time: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy tokens, found by teacher forcing ours (tests/hf_reference.py):
+    one forward per prompt where they agree, and transformers' own tokens where not."""
+    return hf_greedy_from(engine.source.path, prompt_ids, one_at_a_time, NEW_TOKENS)
+
+
 def test_one_at_a_time_equals_transformers(
-    engine: LLMEngine, prompt_ids: list[list[int]], hf_reference: list[list[int]]
+    one_at_a_time: list[list[int]], hf_reference: list[list[int]]
 ) -> None:
-    ours = [_run(engine, [ids])[0] for ids in prompt_ids]
+    ours = one_at_a_time
     mismatches = [i for i, (a, b) in enumerate(zip(ours, hf_reference, strict=True)) if a != b]
     assert not mismatches, f"prompts differing from transformers: {mismatches}"
 

@@ -1,6 +1,7 @@
 """A real client: lm-evaluation-harness through `superinfer serve` (its `local-completions`
 model: echo + logprobs for log-likelihoods, greedy completions for generation) against
-lm-eval's own `hf` backend on the same GGUF file (transformers dequantizes it to fp32).
+lm-eval's own `hf` backend on the same GGUF file (transformers dequantizes it to fp32; the
+model is loaded once per test process, tests/hf_reference.py, and handed to the backend).
 
 Two tasks defined in the repository on local data (tests/data/lm_eval): a multiple-choice
 log-likelihood task and a greedy generation task. Nothing is downloaded: the datasets are
@@ -23,6 +24,7 @@ import pytest
 
 from common.daemon import free_port
 from common.modelfile import bundled_model_path
+from tests.hf_reference import hf_model
 
 REPO = Path(__file__).resolve().parent.parent
 TASKS = REPO / "tests" / "data" / "lm_eval"
@@ -73,13 +75,15 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]
         log.close()
 
 
-def _evaluate(model: str, model_args: dict[str, Any]) -> dict[str, Any]:
+def _evaluate(model: Any, model_args: dict[str, Any] | None = None) -> dict[str, Any]:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
+    # Our two tasks only: indexing lm-eval's thousands of built-in ones takes seconds.
+    tasks = TaskManager(include_path=str(TASKS), include_defaults=False)
     return lm_eval.simple_evaluate(  # type: ignore[no-any-return]
         model=model, model_args=model_args, tasks=[LL_TASK, GEN_TASK],
-        task_manager=TaskManager(include_path=str(TASKS)), batch_size=1, log_samples=True,
+        task_manager=tasks, batch_size=1, log_samples=True,
         random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0,
     )
 
@@ -92,8 +96,8 @@ def results(server: tuple[str, str], tmp_path_factory: pytest.TempPathFactory,
     cwd = os.getcwd()
     os.chdir(REPO)  # the task YAMLs name their data files from the repository root
     try:
-        import torch
         import transformers
+        from lm_eval.models.huggingface import HFLM
 
         gguf = bundled_model_path()
         tok_dir = tmp_path_factory.mktemp("tokenizer")
@@ -104,9 +108,10 @@ def results(server: tuple[str, str], tmp_path_factory: pytest.TempPathFactory,
             "tokenizer_backend": "huggingface", "tokenizer": str(tok_dir),
             "num_concurrent": 1, "max_retries": 1, "tokenized_requests": True,
         })
-        hf = _evaluate("hf", {"pretrained": str(gguf.parent), "gguf_file": gguf.name,
-                              "tokenizer": str(tok_dir), "dtype": torch.float32,
-                              "device": "cpu"})
+        # The hf backend on transformers' fp32 model of the GGUF file, as its
+        # {"pretrained": ..., "gguf_file": ..., "dtype": float32, "device": "cpu"} would load
+        # it, but loaded once per process.
+        hf = _evaluate(HFLM(pretrained=hf_model(gguf), tokenizer=str(tok_dir), batch_size=1))
         yield served, hf
     finally:
         os.chdir(cwd)

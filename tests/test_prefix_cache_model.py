@@ -9,7 +9,7 @@ import pytest
 from common.config import EngineConfig
 from scheduler_svc.request import SamplingParams
 from superinfer.engine import LLMEngine
-from tests.hf_reference import hf_greedy
+from tests.hf_reference import hf_greedy_from
 
 SYSTEM = ("You are a careful assistant for a library. Answer in one short sentence, cite no "
           "sources, and never invent a book that does not exist. The library opens at nine "
@@ -71,10 +71,13 @@ def test_the_shared_prefix_is_long(base: LLMEngine) -> None:
 
 def test_caching_off_equals_transformers(base: LLMEngine,
                                          reference: list[list[int]]) -> None:
-    """The reference below is the true continuation, not only caching off's."""
+    """The reference below is the true continuation, not only caching off's.
+    transformers' greedy tokens are found by teacher forcing caching off's
+    (tests/hf_reference.py): they are transformers' own wherever the two differ."""
     prompts = _prompts(base)
     unique = [i for i, p in enumerate(prompts) if p not in prompts[:i]]
-    hf = hf_greedy(base.source.path, [prompts[i] for i in unique], MAX_TOKENS)
+    hf = hf_greedy_from(base.source.path, [prompts[i] for i in unique],
+                        [reference[i] for i in unique], MAX_TOKENS)
     assert [reference[i] for i in unique] == hf
 
 
