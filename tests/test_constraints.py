@@ -50,5 +50,7 @@ def test_every_dependency_is_pinned_within_its_range() -> None:
 
 def test_the_venv_and_the_image_install_with_the_constraints() -> None:
     makefile = (ROOT / "Makefile").read_text()
-    assert re.search(r"pip install -e '\.\[test\]' -c constraints\.txt", makefile)
+    # `make venv` installs with uv (`$(UV)` is `uv pip install`), the image with pip.
+    assert re.search(r"\$\(UV\) -e '\.\[test\]' -c constraints\.txt", makefile)
+    assert re.search(r"^UV := .*uv pip install", makefile, re.M)
     assert re.search(r"pip install \. -c constraints\.txt", (ROOT / "Dockerfile").read_text())

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import llguidance
-import llguidance.torch
 import structlog
 import torch
 
@@ -50,9 +49,14 @@ class GrammarBank:
         return m.deep_copy()
 
     def bitmask(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
-        """The next-token masks of `matchers`, one row each: [G, ceil(V / 32)] int32."""
-        out = llguidance.torch.allocate_token_bitmask(len(matchers), self.vocab_size)
+        """The next-token masks of `matchers`, one row each: [G, ceil(V / 32)] int32.
+
+        Filled by the library's executor straight into the tensor (what `llguidance.torch`
+        does; that module is not imported: its `torch.compile` decorator loads inductor,
+        ~5 s of every worker's start, for a mask apply we do in logits_processing)."""
+        words = (self.vocab_size + 31) // 32
+        out = torch.full((len(matchers), words), -1, dtype=torch.int32)
         if matchers:
-            llguidance.torch.fill_next_token_bitmask_par(
-                self._executor, [(m, i) for i, m in enumerate(matchers)], out)
+            self._executor.unsafe_compute_mask_ptr(
+                [(m, i) for i, m in enumerate(matchers)], out.data_ptr(), words * 4, len(matchers))
         return out
