@@ -82,6 +82,7 @@ class SchedulerInterface(Protocol):
     running: RequestQueue
     rotary: RequestQueue  # started, KV parked in host memory
     stats: SchedulerStats
+    finished_log: list[Request]  # finished requests not yet collected
 
     @property
     def pipelined(self) -> bool:

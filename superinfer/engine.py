@@ -33,6 +33,7 @@ from common.tokenizer import Tokenizer
 from kvmem_svc.copy import LocalCopyEngine
 from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.fork import child_id, child_seed
+from scheduler_svc.interfaces import SchedulerInterface
 from scheduler_svc.request import SLO, FinishReason, Request, SamplingParams
 from scheduler_svc.scheduler import RequestEvent
 from scheduler_svc.setup import build_scheduler, default_slo, model_identity
@@ -88,7 +89,7 @@ class LLMEngine:
         self.host_pool = torch.zeros((host, *self.runner.kv.shape[1:]), dtype=dtype)
         self.copier = LocalCopyEngine(self.runner.kv, self.host_pool)
         self.max_model_len = min(config.max_model_len or mcfg.max_position, mcfg.max_position)
-        self.scheduler = build_scheduler(
+        self.scheduler: SchedulerInterface = build_scheduler(
             config, dev, host, mcfg.max_position,
             model_id=model_identity(str(self.source.path), self.built.weights))
         self.trackers: dict[str, OutputTracker] = {}
@@ -254,8 +255,9 @@ class LLMEngine:
         s["execute_s"] = core.execute_s
         s["device_blocks"] = self.scheduler.config.num_device_blocks
         s["host_blocks"] = self.scheduler.config.num_host_blocks
-        s["device_blocks_free"] = self.scheduler.bm.num_free_device
-        s["host_blocks_free"] = self.scheduler.bm.num_free_host
+        load = self.scheduler.load()
+        s["device_blocks_free"] = int(load["device_blocks_free"])
+        s["host_blocks_free"] = int(load["host_blocks_free"])
         st = self.scheduler.stats
         # Prompt tokens served from the prefix cache, both tiers.
         s["prefix_cache_hit_tokens"] = st.prefix_cache_hits + st.prefix_cache_host_hits

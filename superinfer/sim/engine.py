@@ -31,6 +31,7 @@ from common.config import EngineConfig, optional_float
 from common.contracts import ExecuteResult, ScheduledChunk, TransferPlan, TransferResult
 from common.errors import SuperInferError
 from scheduler_svc.engine_core import EngineCore
+from scheduler_svc.interfaces import SchedulerInterface
 from scheduler_svc.policy import POLICY_NAMES, RotationLimits, VLTParams, make_policy, params_from
 from scheduler_svc.policy.iteration_cost import IterationCost, OnlineIterationCost
 from scheduler_svc.request import SLO, Request, SamplingParams
@@ -278,7 +279,7 @@ class Simulator:
             raise SimulationError(f"unknown policy {policy!r}; choose one of {', '.join(POLICY_NAMES)}")
         self.hw, self.model, self.policy_name, self.cfg = hw, model, policy, cfg
         self.label = label or policy
-        self.scheduler: Scheduler | None = None  # the last run's, for inspection
+        self.scheduler: SchedulerInterface | None = None  # the last run's, for inspection
         self.block_bytes = model.block_bytes(cfg.block_size)
         budget = hw.device_kv_budget(model.weight_bytes)
         if cfg.device_blocks is not None:
@@ -325,7 +326,7 @@ class Simulator:
             pipelined=c.pipeline,
         )
 
-    def make_scheduler(self, clock: Callable[[], float]) -> Scheduler:
+    def make_scheduler(self, clock: Callable[[], float]) -> SchedulerInterface:
         c = self.cfg
         policy = make_policy(
             self.policy_name,
