@@ -9,11 +9,11 @@ OUTX := .experiments
 	reproduce-executor reproduce-prefix-cache reproduce-tensor-parallel reproduce-grammar \
 	reproduce-compose reproduce-replicas
 
-# The rotasched page's table: the paper's own settings, three seeds (~10 min on 2 cores).
+# The rotasched page's table: the paper's own settings, three seeds (~3 min on 2 cores).
 reproduce-rotasched: venv
 	$(PYX) must-show --cells gh200_artifact --seeds 0,1,2 --out $(OUTX)/must_show_artifact
 
-# All the simulator's must-show cells, three seeds (~1 h on 2 cores).
+# All the simulator's must-show cells, three seeds (~45 min on 2 cores).
 reproduce-rotasched-cells: venv
 	$(PYX) must-show --seeds 0,1,2 --out $(OUTX)/must_show
 
