@@ -82,14 +82,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-blocks", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--serve-args", default="",
-                   help="more flags for `superinfer serve`, e.g. '--min-residency 8'")
+                   help="more flags for `superinfer serve`, e.g. '--xfer-budget-blocks 64'")
     p.add_argument("--bench-args", default="",
                    help="more flags for every `superinfer bench serve` pass, e.g. "
                         "'--endpoint chat --no-ignore-eos --max-tokens 256' (requests whose "
                         "length the server does not know; the model's EOS ends them)")
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=POLICY [FLAGS]",
                    help="one more pass per rate, labelled LABEL: POLICY with FLAGS added to "
-                        "`serve`'s, e.g. 'lvf-pf=lvf --parked-first' (repeatable); with "
+                        "`serve`'s, e.g. 'lvf-serial=lvf --no-pipeline' (repeatable); with "
                         "--interleave it runs beside the policies it is compared with. The "
                         "claims are checked for lvf as before, and again for each lvf variant "
                         "in lvf's place, against the baselines only")
@@ -150,7 +150,7 @@ def parse_variants(specs: list[str], policies: list[str]) -> dict[str, dict[str,
         label, words = label.strip(), rest.split(None, 1)
         if not sep or not label or not words:
             raise ValueError(f"--variant {spec!r}: expected LABEL=POLICY [FLAGS], e.g. "
-                             "'lvf-pf=lvf --parked-first'")
+                             "'lvf-serial=lvf --no-pipeline'")
         if label in POLICY_NAMES or label in policies or label in out:
             raise ValueError(f"--variant {spec!r}: the label {label!r} is taken (a policy's "
                              "name or another variant's); choose another")

@@ -22,16 +22,18 @@ cache finds nothing and the row shows what naming blocks and looking prefixes up
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import time
 
 from common.config import EngineConfig
 from common.contracts import ExecuteResult
+from scheduler_svc.policy import VLTParams, make_policy
 from scheduler_svc.policy.iteration_cost import OnlineIterationCost
 from scheduler_svc.request import SLO, Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.setup import policy_from
+from scheduler_svc.setup import rotation_limits
 from superinfer.bench.report import table, write_json
 
 
@@ -61,8 +63,9 @@ def measure(live: int, policy: str, iterations: int, xfer_budget: int | None = 2
     # Device memory for about a third of the live requests' KV: rotation is in play.
     # The policy as `superinfer serve` builds it: every VLT parameter and rotation limit at
     # the engine's default but the ones measured here.
-    pol = policy_from(EngineConfig(policy=policy, xfer_budget_blocks=xfer_budget,
-                                   min_residency=min_residency, max_stall=max_stall))
+    served = rotation_limits(EngineConfig(policy=policy, xfer_budget_blocks=xfer_budget))
+    pol = make_policy(policy, VLTParams(max_stall=max_stall),
+                      dataclasses.replace(served, min_residency=min_residency))
     cost = OnlineIterationCost() if pol.iteration_target_s(0.1) is not None else None
     sched = Scheduler(
         SchedulerConfig(num_device_blocks=live * 2, num_host_blocks=live * 8, block_size=bs,

@@ -39,6 +39,7 @@ from typing import Any
 
 from common.contracts import ExecuteResult, TransferPlan, TransferResult
 from scheduler_svc.interfaces import Executor, SchedulerInterface, SchedulerOutput, TransferEngine
+from scheduler_svc.policy.xfer_budget import LinkRate
 from scheduler_svc.scheduler_config import RequestEvent
 from scheduler_svc.trace import Trace
 
@@ -114,6 +115,7 @@ class EngineCore:
         trace: Trace | None = None,
         timer: Callable[[], float] = time.perf_counter,
         pipeline: bool = False,
+        auto_xfer_budget: bool = False,
     ) -> None:
         if pipeline and not scheduler.pipelined:
             raise ValueError("a pipelined step needs a scheduler built with pipelined=True")
@@ -123,6 +125,8 @@ class EngineCore:
         self.trace = trace
         self.timer = timer
         self.pipeline = pipeline
+        # B_xfer "auto" (--xfer-budget-blocks): from the copies' measured rate.
+        self._link = LinkRate() if auto_xfer_budget else None
         self.stats = EngineStats()
         self._batch: _Batch | None = None  # pipelined: the batch in flight
         self._after: _Copies | None = None  # pipelined: eager and after-batch copies in flight
@@ -331,6 +335,9 @@ class EngineCore:
         st.kvmem_h2d_s += moved.h2d_s
         st.bytes_d2h += moved.bytes_d2h
         st.bytes_h2d += moved.bytes_h2d
+        if self._link is not None:
+            self._link.observe(plan, moved)
+            self.scheduler.set_xfer_budget(self._link.budget())
         return moved
 
     def _waited(self, since: float) -> float:

@@ -106,6 +106,7 @@ class SchedulerInterface(Protocol):
         """The iteration's batch ran: its KV is settled and its sampled tokens land."""
 
     def charge_transfer_stall(self, out: SchedulerOutput, seconds: float) -> None: ...
+    def set_xfer_budget(self, blocks: int | None) -> None: ...
 
     def abandon_in_flight(self) -> list[SchedulerOutput]:
         """Every batch in flight is lost (a peer failed): roll them back, newest first."""

@@ -165,6 +165,7 @@ class ServingLoop:
         host_pool_id: str = "",
         peer_timeout_s: float = 300.0,
         trace: Trace | None = None,
+        auto_xfer_budget: bool = False,
     ) -> None:
         self.scheduler = scheduler
         self.worker = worker
@@ -175,7 +176,8 @@ class ServingLoop:
         self.stats = LoopStats()
         self.trace = trace  # --trace: the iteration timeline (scheduler_svc/trace.py)
         self.core = EngineCore(scheduler, _WorkerLane(self), _KVMemLane(self), trace,
-                               pipeline=scheduler.config.pipelined)
+                               pipeline=scheduler.config.pipelined,
+                               auto_xfer_budget=auto_xfer_budget)
         self.streams: dict[str, _Route] = {}  # live request id -> where its events go
         # n > 1: a request's choices are scheduler requests of their own (fork.child_id),
         # on one stream. Group id -> the choices' ids.

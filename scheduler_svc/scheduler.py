@@ -12,6 +12,7 @@ actions they take. The batch is built in batch.py; recovery is recovery.py's mix
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -454,6 +455,11 @@ class Scheduler(RecoveryMixin):
         return {"running": len(self.running), "waiting": len(self.waiting),
                 "rotary": len(self.rotary), "device_blocks_free": self.bm.num_free_device,
                 "host_blocks_free": self.bm.num_free_host}
+
+    def set_xfer_budget(self, blocks: int | None) -> None:
+        """B_xfer from here on (the engine core's measured link, `--xfer-budget-blocks auto`)."""
+        if self.policy.bounded_transfers and blocks != self.policy.limits.xfer_budget_blocks:
+            self.policy.limits = dataclasses.replace(self.policy.limits, xfer_budget_blocks=blocks)
 
     def charge_transfer_stall(self, out: SchedulerOutput, seconds: float) -> None:
         """The worker idled `seconds` before `out`'s batch for its copies (engine_core)."""

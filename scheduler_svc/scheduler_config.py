@@ -7,6 +7,10 @@ from dataclasses import asdict, dataclass
 from common.contracts import TokenLogprob
 from scheduler_svc.request import FinishReason
 
+# Eager D2H copies of full blocks per iteration in `serve` (DuplexKV; 0: off). The
+# simulator sizes its own to the simulated link (superinfer/sim/engine.py).
+EAGER_BLOCKS = 32
+
 
 @dataclass(slots=True)
 class SchedulerConfig:
@@ -16,7 +20,7 @@ class SchedulerConfig:
     max_batched_tokens: int = 512
     max_num_seqs: int = 256
     max_model_len: int = 8192
-    eager_budget_blocks: int = 32  # background D2H copies per iteration (0: off)
+    eager_budget_blocks: int = EAGER_BLOCKS  # background D2H copies per iteration (0: off)
     host_reserve_blocks: int = 0  # eager copies leave this many host blocks free
     # Planned one iteration ahead, its transfers beside the batch in flight (the pipelined
     # step): blocks of this iteration's rotate-outs are not reused before their copy is done.

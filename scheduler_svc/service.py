@@ -105,7 +105,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         trace = Trace(cfg.trace, "superinfer scheduler") if cfg.trace else None
         self.loop = ServingLoop(scheduler, worker, kvmem, handle.pool_id,
                                 attached.host_pool_id, peer_timeout_s=connect_timeout_s,
-                                trace=trace)
+                                trace=trace, auto_xfer_budget=cfg.xfer_budget_blocks is None)
         kv_stats = await kvmem.stats()
         self._task = asyncio.create_task(self.loop.run(), name="iteration-loop")
         log.info("connected", model=info.name, device_blocks=sched_cfg.num_device_blocks,

@@ -11,18 +11,16 @@ import time
 from collections.abc import Callable
 
 from common.config import EngineConfig
-from scheduler_svc.policy import Policy, RotationLimits, VLTParams, make_policy, params_from
+from scheduler_svc.policy import Policy, RotationLimits, VLTParams, make_policy
 from scheduler_svc.policy.iteration_cost import OnlineIterationCost
 from scheduler_svc.request import SLO
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 
 
-def vlt_params(cfg: EngineConfig) -> VLTParams:
-    return params_from(VLTParams, cfg)
-
-
 def rotation_limits(cfg: EngineConfig) -> RotationLimits:
-    return params_from(RotationLimits, cfg)
+    """The policy's rules at their values, B_xfer from the setting (auto, None: unlimited
+    until the engine core has measured the link; `EngineCore(auto_xfer_budget=True)`)."""
+    return RotationLimits(xfer_budget_blocks=cfg.xfer_budget_blocks)
 
 
 def default_slo(cfg: EngineConfig) -> SLO:
@@ -30,7 +28,7 @@ def default_slo(cfg: EngineConfig) -> SLO:
 
 
 def policy_from(cfg: EngineConfig) -> Policy:
-    return make_policy(cfg.policy, vlt_params(cfg), rotation_limits(cfg))
+    return make_policy(cfg.policy, VLTParams(), rotation_limits(cfg))
 
 
 def model_identity(source_path: str, dtype: str) -> str:
@@ -51,7 +49,6 @@ def scheduler_config(
         max_batched_tokens=cfg.max_batched_tokens,
         max_num_seqs=cfg.max_num_seqs,
         max_model_len=min(cfg.max_model_len or model_max_len, model_max_len),
-        eager_budget_blocks=cfg.eager_budget_blocks,
         pipelined=cfg.pipeline,
         enable_prefix_caching=cfg.enable_prefix_caching,
         model_id=model_id,

@@ -102,7 +102,8 @@ class LLMEngine:
         self.copy_lane = ThreadLane("kv-copy")
         self.core = EngineCore(self.scheduler, _LocalExecutor(self.batches),
                                _LocalTransfers(self.copier, self.copy_lane), self.trace,
-                               pipeline=config.pipeline)
+                               pipeline=config.pipeline,
+                               auto_xfer_budget=config.xfer_budget_blocks is None)
         self._loop = asyncio.new_event_loop()
 
     @property

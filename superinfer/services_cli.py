@@ -201,7 +201,7 @@ def _argv_for(add: Callable[[argparse.ArgumentParser], None], values: dict[str, 
             continue
         if not action.option_strings or value is None or value is False:
             continue
-        flag = action.option_strings[-1]
+        flag = next(o for o in action.option_strings if o.startswith("--"))  # its first name
         if action.nargs == 0:  # store_true and the like
             argv.append(flag)
         else:

@@ -41,8 +41,8 @@ def test_bad_input_is_one_clear_line(args: list[str], message: str,
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--park-cover", "0"], "--park-cover must be positive"),
-    (["--iteration-budget", "1.5"], "--iteration-budget"),
+    (["--tbt-slo", "0"], "--tbt-slo must be a positive number of seconds"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be at least 1"),
 ])
 def test_serve_refuses_a_bad_engine_flag_in_one_line_before_any_process(
         tmp_path: Path, args: list[str], message: str) -> None:

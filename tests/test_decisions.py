@@ -174,7 +174,7 @@ class State:
 
 
 def _lvf() -> Policy:
-    return make_policy("lvf", limits=RotationLimits(lazy_rotation=False, min_residency=0))
+    return make_policy("lvf", limits=RotationLimits.bare(lazy_rotation=False, min_residency=0))
 
 
 def test_running_requests_take_their_tokens_and_the_tail_makes_room() -> None:
@@ -215,7 +215,7 @@ def test_admission_seats_who_fits_and_preempts_only_when_the_candidate_then_fits
 
 
 def test_victims_are_taken_lowest_first_until_the_candidate_fits_within_b_xfer() -> None:
-    policy = make_policy("lvf", limits=RotationLimits(xfer_budget_blocks=None))
+    policy = make_policy("lvf", limits=RotationLimits.bare(xfer_budget_blocks=None))
     now = 60.0
     vs = [_ahead(f"v{i}", now) for i in range(3)]
     q = _request("q", 14, arrival=now - 4.95)  # 4 blocks: two victims' worth

@@ -113,7 +113,7 @@ def _serve(policy: str, prompts: list[list[int]], lens: list[int], device_blocks
         SchedulerConfig(num_device_blocks=device_blocks, num_host_blocks=host_blocks,
                         block_size=4, max_batched_tokens=24, eager_budget_blocks=4,
                         pipelined=pipeline, enable_prefix_caching=caching),
-        make_policy(policy, limits=limits or RotationLimits()),
+        make_policy(policy, limits=limits or RotationLimits.bare()),
     )
     if lanes is None:
         lanes = _Interleaving(KVStore(device_blocks, host_blocks, 4), {}, hold)
@@ -202,7 +202,7 @@ def test_random_pipelined_workloads_stay_exact(data, n, device_blocks, policy, m
     aborted = set(data.draw(st.lists(st.integers(0, n - 1), max_size=2, unique=True)))
     aborts = {i: data.draw(st.integers(1, 40)) for i in aborted}
     got, sched = _serve(policy, prompts, lens, device_blocks, aborts,
-                        limits=RotationLimits(min_residency=min_residency))
+                        limits=RotationLimits.bare(min_residency=min_residency))
     _check(got, sched, prompts, lens, aborted, device_blocks)
 
 
@@ -235,7 +235,7 @@ def test_random_pipelined_workloads_with_prefix_caching_stay_exact(  # noqa: ANN
     # the policy, found with caching off too); not what this test is about.
     got, sched = _serve(policy, prompts, lens, device_blocks, aborts, caching=True,
                         host_blocks=host_blocks, arrive=arrive,
-                        limits=RotationLimits(min_residency=2))
+                        limits=RotationLimits.bare(min_residency=2))
     _check(got, sched, prompts, lens, aborted, device_blocks)
 
 
@@ -363,7 +363,7 @@ def test_cached_blocks_a_batch_may_read_are_late_for_swap_ins(monkeypatch) -> No
     from scheduler_svc.prefix_cache import TierCache
 
     park = TierCache.park
-    limits = RotationLimits(min_residency=2)
+    limits = RotationLimits.bare(min_residency=2)
     for seed in range(3):  # with the rule: exact
         prompts, lens, arrive = _shared_workload(seed)
         got, sched = _serve("lvf", prompts, lens, 12, {}, caching=True, arrive=arrive,

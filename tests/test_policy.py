@@ -75,7 +75,7 @@ def test_lvf_serves_on_time_requests_by_vlt_then_late_ones_oldest_first() -> Non
     missed = req("missed", arrival=3.0)  # TTFT deadline 8.0 passed: late
     rot = req("rot", 0.0, RequestState.ROTARY, last_token=9.97)  # due 10.07: 3·0.12/5 ≈ 0.07
     parked = req("parked", 0.0, RequestState.ROTARY, last_token=9.5)  # due 9.6: late
-    lvf = make_policy("lvf", P)
+    lvf = make_policy("lvf", P, RotationLimits.bare())
     order = lvf.candidates([fresh, old, missed], [rot, parked], now)
     # On time by VLT (rot, old, fresh), then late by deadline (missed 8.0, parked 9.6).
     assert [r.request_id for r in order] == ["rot", "old", "fresh", "missed", "parked"]
@@ -97,7 +97,7 @@ def test_a_parked_request_behind_its_pace_is_late_only_when_it_cannot_catch_up()
     victim = req("v", 0.0, RequestState.RUNNING, run_start=1.0)  # prefilling for 9 s
     assert is_late(parked, now) and is_late(parked, now, gap_s=0.09)
     assert not is_late(parked, now, gap_s=0.02) and not is_late(parked, now, gap_s=0.06)
-    lvf = make_policy("lvf", P)
+    lvf = make_policy("lvf", P, RotationLimits.bare())
     assert [r.request_id for r in lvf.candidates([fresh], [parked], now)] == ["fresh", "p"]
     assert not lvf.may_preempt(victim, parked, now)
     for _ in range(50):  # batches of 20 ms: now it lags most, and may preempt
@@ -191,7 +191,7 @@ def test_a_new_request_is_late_once_its_first_token_would_miss_its_ttft() -> Non
     edge = req("edge", arrival=5.3)  # TTFT deadline 10.3: 0.3 s of budget left
     fresh = req("fresh", arrival=9.9)
     victim = req("v", 0.0, RequestState.RUNNING, run_start=1.0)
-    lvf = make_policy("lvf", P)
+    lvf = make_policy("lvf", P, RotationLimits.bare())
     assert not is_late(edge, now) and not is_late(edge, now, gap_s=0.1)
     assert [r.request_id for r in lvf.candidates([fresh, edge], [], now)] == ["edge", "fresh"]
     assert lvf.may_preempt(victim, edge, now)
@@ -207,17 +207,17 @@ def test_lvf_honours_per_request_slos() -> None:
     now = 10.0
     loose = req("loose", arrival=8.0, slo=SLO(ttft_s=10.0, tbt_s=0.1))  # 0.2 - 1 = -0.8
     tight = req("tight", arrival=9.5, slo=SLO(ttft_s=1.0, tbt_s=0.1))  # 0.5 - 1 = -0.5
-    order = make_policy("lvf", P).candidates([loose, tight], [], now)
+    order = make_policy("lvf", P, RotationLimits.bare()).candidates([loose, tight], [], now)
     assert order[0] is tight
     # A rotary request with a tight TBT SLO is due sooner than one with a loose one.
     a = req("a", 0.0, RequestState.ROTARY, last_token=9.95, slo=SLO(5.0, 0.1))
     b = req("b", 0.0, RequestState.ROTARY, last_token=9.95, slo=SLO(5.0, 1.0))
-    assert make_policy("lvf", P).candidates([], [b, a], now)[0] is a
+    assert make_policy("lvf", P, RotationLimits.bare()).candidates([], [b, a], now)[0] is a
 
 
 def test_lvf_never_preempts_a_request_with_nonnegative_vlt() -> None:
     now = 10.0
-    lvf = make_policy("lvf", P)
+    lvf = make_policy("lvf", P, RotationLimits.bare())
     lagging = req("s", arrival=6.0)  # -0.2: on time
     behind = req("j", 0.0, RequestState.RUNNING, last_token=9.9, run_start=now)  # due 10.0
     assert vlt(behind, now, P) > 0.0  # its lag starts at 9.95 (beta_f)
@@ -256,7 +256,7 @@ def test_baseline_orders() -> None:
 def test_admission_decisions_are_the_policys() -> None:
     """Each decision point of admission, asked of each policy on hand-built requests."""
     now = 10.0
-    lvf = make_policy("lvf", P, RotationLimits(hold_vlt=-0.5))
+    lvf = make_policy("lvf", P, RotationLimits.bare(hold_vlt=-0.5))
     sf, wf, fc = make_policy("swapped-first"), make_policy("waiting-first"), make_policy("fcfs")
     rotary = req("r", 0.0, RequestState.ROTARY, last_token=9.9)
     # Step 1 of LVF: plain FCFS only while everything fits; the baselines never switch.
@@ -284,7 +284,7 @@ def _filled(policy: str, limits: RotationLimits | None = None) -> tuple[Schedule
     s = Scheduler(
         SchedulerConfig(num_device_blocks=8, num_host_blocks=64, block_size=4,
                         max_batched_tokens=64, eager_budget_blocks=0),
-        make_policy(policy, P, limits or RotationLimits()), clock=lambda: t[0],
+        make_policy(policy, P, limits or RotationLimits.bare()), clock=lambda: t[0],
     )
     for i in range(4):
         s.add_request(Request(f"r{i}", list(range(7)), SamplingParams(max_tokens=50), 0.0,
@@ -324,7 +324,7 @@ def test_lvf_does_not_rotate_anyone_out_for_a_request_that_already_missed() -> N
 def test_lvf_degenerates_to_fcfs_when_everything_fits() -> None:
     t = [0.0]
     s = Scheduler(SchedulerConfig(num_device_blocks=100, num_host_blocks=64, block_size=4),
-                  make_policy("lvf", P), clock=lambda: t[0])
+                  make_policy("lvf", P, RotationLimits.bare()), clock=lambda: t[0])
     for i in range(5):
         s.add_request(Request(f"r{i}", list(range(7)), SamplingParams(max_tokens=5), float(i)))
     t[0] = 100.0  # everyone lags enormously, but everything fits: no rotation
@@ -353,7 +353,7 @@ def test_waiting_first_preempts_last_admitted_for_a_new_request() -> None:
 
 
 def test_min_residency_protects_a_swapped_in_request() -> None:
-    s, t = _filled("lvf", RotationLimits(min_residency=1000))
+    s, t = _filled("lvf", RotationLimits.bare(min_residency=1000))
     t[0] = 2.0
     out = s.schedule()
     # All four were admitted in iteration 1 and are inside their residency: nobody moves.
@@ -366,7 +366,7 @@ def test_lvf_skips_an_unservable_head_and_serves_the_next() -> None:
     s = Scheduler(
         SchedulerConfig(num_device_blocks=6, num_host_blocks=64, block_size=4,
                         max_batched_tokens=64, eager_budget_blocks=0),
-        make_policy("lvf", P, RotationLimits(min_residency=1000)), clock=lambda: t[0],
+        make_policy("lvf", P, RotationLimits.bare(min_residency=1000)), clock=lambda: t[0],
     )
     s.add_request(Request("small-running", list(range(7)), SamplingParams(max_tokens=50), 0.0))
     s.update_from_output(out := s.schedule(), _sampled(out))
@@ -400,7 +400,7 @@ def test_lvf_stops_skipping_a_new_request_that_lags_past_hold_vlt() -> None:
         s = Scheduler(
             SchedulerConfig(num_device_blocks=6, num_host_blocks=64, block_size=4,
                             max_batched_tokens=64, eager_budget_blocks=0),
-            make_policy("lvf", P, RotationLimits(min_residency=1000, hold_vlt=-0.5)),
+            make_policy("lvf", P, RotationLimits.bare(min_residency=1000, hold_vlt=-0.5)),
             clock=lambda: t[0],
         )
         s.add_request(Request("small-running", list(range(7)), SamplingParams(max_tokens=50),
@@ -428,7 +428,7 @@ def test_lvf_rotates_out_to_free_a_seat(memory_margin: float) -> None:
     s = Scheduler(
         SchedulerConfig(num_device_blocks=100, num_host_blocks=64, block_size=4,
                         max_batched_tokens=64, max_num_seqs=2, eager_budget_blocks=0),
-        make_policy("lvf", P, RotationLimits(memory_margin=memory_margin)),
+        make_policy("lvf", P, RotationLimits.bare(memory_margin=memory_margin)),
         clock=lambda: t[0],
     )
     for rid, tbt in (("r0", 10.0), ("r1", 10.0), ("new", 0.1)):
@@ -642,7 +642,7 @@ def test_lvf_rotates_out_the_running_request_furthest_ahead_of_its_deadline() ->
     admission, and rotated a request out a batch or two after it came back behind its
     pace)."""
     now = 10.0
-    lvf = make_policy("lvf", VLTParams())
+    lvf = make_policy("lvf", VLTParams(), RotationLimits.bare())
     back = req("back", 0.0, RequestState.RUNNING, last_token=9.9, run_start=9.95)
     back.first_token_time, back.output_token_ids = 4.0, [1] * 50  # due 9.0: behind
     ahead = req("ahead", 0.0, RequestState.RUNNING, last_token=9.9, run_start=1.0)
@@ -699,7 +699,7 @@ def test_a_prompt_chunk_leaves_a_token_for_each_decode_behind_it() -> None:
     t = [0.0]
     s = Scheduler(SchedulerConfig(num_device_blocks=16, num_host_blocks=64, block_size=4,
                                   max_batched_tokens=8, eager_budget_blocks=0),
-                  make_policy("lvf", P), clock=lambda: t[0])
+                  make_policy("lvf", P, RotationLimits.bare()), clock=lambda: t[0])
     for i in range(4):
         s.add_request(Request(f"d{i}", [7], SamplingParams(max_tokens=50), 0.0))
     out = s.schedule()  # four one-token prompts: each samples its first token
@@ -745,30 +745,21 @@ def test_max_stall_caps_a_parked_streams_slack_but_never_makes_it_late() -> None
         assert lag_anchor(parked, lvf.params, lvf.gap_s) == pytest.approx(4.5 + 48 * 0.28 - 0.3)
 
 
-def test_max_stall_reaches_the_policy_from_the_flags() -> None:
+def test_lvf_rules_reach_the_simulator_from_a_policy_spec_and_have_no_serve_flag() -> None:
+    """LVF's rules are no server setting (common/scheduling.py): the experiments vary
+    them through the simulator's policy specs, nothing else reaches them."""
     from common.config import EngineConfig
-    from scheduler_svc.setup import vlt_params
     from superinfer.sim.engine import PolicyVariant, SimConfig
 
-    assert vlt_params(EngineConfig()).max_stall is None  # off by default (module doc)
-    assert vlt_params(EngineConfig(max_stall=0.25)).max_stall == 0.25
-    for bad in (0.0, -1.0):
-        with pytest.raises(ValueError, match="max.stall"):
-            EngineConfig(max_stall=bad)
-    assert PolicyVariant.parse("lvf:stall=0.5").apply(SimConfig()).max_stall == 0.5
-    assert PolicyVariant.parse("lvf:stall=none").apply(SimConfig(max_stall=0.5)).max_stall is None
-
-
-def test_parked_first_reaches_the_policy_from_the_flags() -> None:
-    from common.config import EngineConfig
-    from scheduler_svc.setup import rotation_limits
-    from superinfer.sim.engine import PolicyVariant, SimConfig
-
-    assert not rotation_limits(EngineConfig()).parked_first  # off by default (measured)
-    assert rotation_limits(EngineConfig(parked_first=True)).parked_first
-    assert PolicyVariant.parse("lvf:parked_first=on").apply(SimConfig()).parked_first
-    assert not PolicyVariant.parse("lvf:parked_first=off").apply(
-        SimConfig(parked_first=True)).parked_first
+    assert PolicyVariant.parse("lvf:stall=0.5").apply(SimConfig()).vlt.max_stall == 0.5
+    half = SimConfig(vlt=VLTParams(max_stall=0.5))
+    assert PolicyVariant.parse("lvf:stall=none").apply(half).vlt.max_stall is None
+    assert PolicyVariant.parse("lvf:parked_first=on").apply(SimConfig()).limits.parked_first
+    assert PolicyVariant.parse("lvf:cover=2").apply(SimConfig()).limits.park_cover == 2.0
+    assert PolicyVariant.parse("lvf:memory_margin=3").apply(SimConfig()).limits.memory_margin == 3.0
+    for name in ("max_stall", "parked_first", "park_cover", "memory_margin", "alpha"):
+        with pytest.raises(TypeError):
+            EngineConfig(**{name: 1.0})
 
 
 @pytest.mark.parametrize("cover", [None, 1.0, 2.0])
@@ -779,7 +770,7 @@ def test_park_cover_spares_a_victim_without_the_slack_to_sit_out_a_typical_park(
     one 3 s ahead still is; with 2, neither is. Off (None), both are, as is every victim
     before a single park was seen."""
     now = 10.0
-    lvf = make_policy("lvf", VLTParams(), RotationLimits(park_cover=cover))
+    lvf = make_policy("lvf", VLTParams(), RotationLimits.bare(park_cover=cover))
     assert isinstance(lvf, LVFPolicy)
     old = req("old", arrival=6.0)  # 1 s of TTFT slack left: lags more than either victim
     victims = []
@@ -800,71 +791,39 @@ def test_park_cover_spares_a_victim_without_the_slack_to_sit_out_a_typical_park(
     assert lvf.may_preempt(prefilling, old, now)
 
 
-def test_park_cover_reaches_the_policy_from_the_flags() -> None:
-    from common.config import PARK_COVER, EngineConfig
-    from scheduler_svc.setup import rotation_limits
-    from superinfer.sim.engine import PolicyVariant, SimConfig
-
-    assert rotation_limits(EngineConfig()).park_cover == PARK_COVER
-    assert SimConfig().park_cover == PARK_COVER
-    assert rotation_limits(EngineConfig(park_cover=1.5)).park_cover == 1.5
-    for bad in (0.0, -1.0):
-        with pytest.raises(ValueError, match="park.cover"):
-            EngineConfig(park_cover=bad)
-    assert PolicyVariant.parse("lvf:cover=2").apply(SimConfig()).park_cover == 2.0
-    assert PolicyVariant.parse("lvf:cover=none").apply(SimConfig(park_cover=1.0)).park_cover is None
-    assert rotation_limits(EngineConfig(memory_margin=6.0)).memory_margin == 6.0
-    assert PolicyVariant.parse("lvf:memory_margin=3").apply(SimConfig()).memory_margin == 3.0
-
-
 def test_rotation_limits_refuse_values_out_of_range_wherever_they_are_set() -> None:
-    """RotationLimits checks its own fields; the simulator's config reports the same as a
-    SimulationError, the engine's config names the serve flag."""
-    from common.config import EngineConfig
-    from superinfer.sim.engine import SimConfig, SimulationError
+    """RotationLimits checks its own fields; a simulator policy spec reports the same as a
+    SimulationError."""
+    from superinfer.sim.engine import PolicyVariant, SimConfig, SimulationError
 
     with pytest.raises(ValueError, match="xfer_budget_blocks"):
         RotationLimits(xfer_budget_blocks=-1)
-    bad = {"min_residency": -1, "iteration_budget": 1.5, "prefill_within": 0.0,
-           "lazy_margin": -0.1, "park_cover": 0.0, "memory_margin": -1.0}
-    for field, value in bad.items():
+    bad = {"min_residency": ("min_res", -1), "iteration_budget": ("tbt_budget", 1.5),
+           "prefill_within": ("prefill", 0.0), "lazy_margin": ("lazy_margin", -0.1),
+           "park_cover": ("cover", 0.0), "memory_margin": ("memory_margin", -1.0)}
+    for field, (key, value) in bad.items():
         with pytest.raises(ValueError, match=field):
             RotationLimits(**{field: value})
         with pytest.raises(SimulationError, match=field):
-            SimConfig(**{field: value})
-        with pytest.raises(ValueError, match="--" + field.replace("_", "-")):
-            EngineConfig(**{field: value})
+            PolicyVariant.parse(f"lvf:{key}={value}").apply(SimConfig())
     RotationLimits(xfer_budget_blocks=0, iteration_budget=0.0, prefill_within=1.0,
                    park_cover=0.5)  # the edges that are allowed
 
 
-def test_serve_and_the_simulator_build_the_same_policy_parameters_by_default() -> None:
+def test_serve_and_the_simulator_build_the_same_policy_by_default() -> None:
     """`superinfer serve` and `superinfer sim` give LVF the same VLT parameters and
-    rotation limits unless told otherwise (their defaults are written in each config):
-    the dataclasses' own defaults, but for the engine's residency, hold and memory margin
-    (the bare dataclass is the mechanism without its guards, for tests). A config that
-    lacks a parameter is an error, not a silent default."""
-    import dataclasses
-    import types
-
+    rotation limits (the policy's own defaults, declared once in policy/) and the same
+    settings (common/scheduling.py); B_xfer auto is left for the engine to size."""
     from common.config import EngineConfig
-    from scheduler_svc.policy import params_from
-    from scheduler_svc.setup import rotation_limits, vlt_params
+    from scheduler_svc.setup import policy_from, rotation_limits
     from superinfer.sim.engine import SimConfig
 
     engine, sim = EngineConfig(), SimConfig()
-    assert vlt_params(engine) == params_from(VLTParams, sim) == VLTParams()
-    served = rotation_limits(engine)
-    assert params_from(RotationLimits, sim, xfer_budget_blocks=served.xfer_budget_blocks) == served
-    assert served == RotationLimits(xfer_budget_blocks=served.xfer_budget_blocks,
-                                    min_residency=engine.min_residency, hold_vlt=engine.hold_vlt,
-                                    memory_margin=engine.memory_margin)
-    assert params_from(RotationLimits, engine, growth_room=0.25).growth_room == 0.25
-    lacking = types.SimpleNamespace(**{f.name: getattr(engine, f.name)
-                                       for f in dataclasses.fields(RotationLimits)})
-    del lacking.growth_room
-    with pytest.raises(TypeError, match="has no 'growth_room'"):
-        params_from(RotationLimits, lacking)
+    assert rotation_limits(engine) == sim.limits == RotationLimits()
+    assert sim.vlt == VLTParams()
+    lvf = policy_from(engine)
+    assert isinstance(lvf, LVFPolicy) and lvf.params == VLTParams()
+    assert lvf.limits == RotationLimits() and lvf.limits.xfer_budget_blocks is None
 
 
 def test_with_the_stall_bound_late_parked_requests_leave_their_run_from_any_place() -> None:

@@ -141,7 +141,7 @@ def test_lvf_budgets_large_batches_with_a_fit_of_the_large_batches() -> None:
 
 
 def test_lvf_leaves_a_free_block_per_running_request_for_growth() -> None:
-    limits = RotationLimits(min_residency=0)
+    limits = RotationLimits.bare(min_residency=0)
     lvf = make_policy("lvf", VLTParams(), limits)
     assert lvf.growth_reserve_blocks(37, 16) == 37
     assert all(make_policy(p).growth_reserve_blocks(37, 16) == 0
@@ -196,10 +196,10 @@ def _new_with_slack(sched: Scheduler, now: float, gap: float, slack: float, rid:
 
 
 @pytest.mark.parametrize("limits, per_s, rotates_at", [
-    (RotationLimits(lazy_rotation=False), 4, 10.0),  # it lags more than the running ones
-    (RotationLimits(lazy_margin=0.0), 4, 14.8),  # 0.18 s of slack left, under the 0.25 s wait
-    (RotationLimits(lazy_margin=0.25), 4, 13.6),  # 1.38 s left, under 0.25 s + 0.25 * 5 s
-    (RotationLimits(), 2, 10.0),  # 10 finishes per 5 s SLO: too few to wait for
+    (RotationLimits.bare(lazy_rotation=False), 4, 10.0),  # it lags more than the running ones
+    (RotationLimits.bare(lazy_margin=0.0), 4, 14.8),  # 0.18 s of slack left, under the 0.25 s wait
+    (RotationLimits.bare(lazy_margin=0.25), 4, 13.6),  # 1.38 s left, under 0.25 s + 0.25 * 5 s
+    (RotationLimits.bare(), 2, 10.0),  # 10 finishes per 5 s SLO: too few to wait for
 ])
 def test_lvf_rotates_only_when_finishing_requests_would_not_seat_a_candidate_in_time(
         limits: RotationLimits, per_s: int, rotates_at: float) -> None:
@@ -241,7 +241,7 @@ def test_where_too_few_finish_a_parked_request_preempts_only_near_its_deadline()
     clock = [0.0]
     sched = Scheduler(SchedulerConfig(num_device_blocks=128, num_host_blocks=256, block_size=4,
                                       max_num_seqs=2, pipelined=False),
-                      make_policy("lvf", VLTParams(), RotationLimits()), clock=lambda: clock[0])
+                      make_policy("lvf", VLTParams(), RotationLimits.bare()), clock=lambda: clock[0])
     for i, rid in enumerate(("r1", "r2", "r3")):
         sched.add_request(Request(rid, [1, 2, 3], SamplingParams(max_tokens=1000, ignore_eos=True),
                                   arrival_time=0.01 * i, slo=SLO(5.0, 1.0)))
@@ -281,7 +281,7 @@ def test_a_parked_request_not_yet_due_comes_back_only_where_the_running_can_grow
     clock = [0.0]
     sched = Scheduler(SchedulerConfig(num_device_blocks=16, num_host_blocks=256,
                                       block_size=16, max_num_seqs=2, pipelined=False),
-                      make_policy("lvf", VLTParams(), RotationLimits(growth_room=room)),
+                      make_policy("lvf", VLTParams(), RotationLimits.bare(growth_room=room)),
                       clock=lambda: clock[0])
     for i, rid in enumerate(("r1", "r2", "r3", "r4")):
         sched.add_request(Request(rid, [1] * 72, SamplingParams(max_tokens=1000,
@@ -316,7 +316,7 @@ def test_a_parked_request_near_its_deadline_does_not_make_lvf_rotate() -> None:
     rotates for it (0.5 s to its seat + the 1.25 s margin), but parked, not: a rotation
     would seat the new request at the head and park another running one (on the real
     stack at 1.5x saturation, such rotations parked 56-81 requests per pass)."""
-    sched, now, gap = _finishing_four_a_second(RotationLimits())
+    sched, now, gap = _finishing_four_a_second(RotationLimits.bare())
     head = _new_with_slack(sched, now, gap, 4.5 - 2 * gap, "head")  # arrived at 10 s
 
     def second(state: RequestState) -> Request:
@@ -345,7 +345,7 @@ def test_lvf_counts_the_running_requests_over_the_seat_limit_before_a_seat_frees
     frees no seat: its seat comes in 0.5 s, past that, and LVF rotates for it (counted
     from k alone, interactive requests in the simulator waited for seats that were not
     coming and missed their 1 s TTFT)."""
-    sched, now, gap = _finishing_four_a_second(RotationLimits())
+    sched, now, gap = _finishing_four_a_second(RotationLimits.bare())
     new = _new_with_slack(sched, now, gap, 1.6)
     sched.seat_limit = seat_limit  # as _time_budget sets it from a slower batch
     assert rotation_needed(sched.rotation_inputs(), iter([new]), now)[0] is needed
@@ -360,7 +360,7 @@ def test_lvf_counts_a_long_prompts_batches_against_its_slack(chunk_tokens: int,
     tokens a batch the prompt takes 24 more batches (0.24 s at 10 ms) and LVF rotates for
     it (in the simulator, interactive requests with 1,024-token prompts were admitted on
     time, took 7 batches to prefill and missed their 1 s TTFT SLO)."""
-    sched, now, gap = _finishing_four_a_second(RotationLimits())
+    sched, now, gap = _finishing_four_a_second(RotationLimits.bare())
     assert gap == pytest.approx(0.01)
     new = _new_with_slack(sched, now, gap, 1.6, prompt=100)
     assert rotation_needed(sched.rotation_inputs(), iter([new]), now, chunk_tokens)[0] is needed
@@ -377,7 +377,7 @@ def test_parked_requests_go_ahead_of_new_ones_that_can_spare_the_seats(
     streamed goes ahead of the new one that heads LVF's order where the new one's slack
     covers the extra seat (on the real stack at 1.5x, LVF seated new requests with 8-9 s
     of a 10 s SLO left while parked ones stalled), and admission holds blocks for it."""
-    sched, now, gap = _finishing_four_a_second(RotationLimits(parked_first=parked_first))
+    sched, now, gap = _finishing_four_a_second(RotationLimits.bare(parked_first=parked_first))
     head = _new_with_slack(sched, now, gap, head_slack, "head")
     parked = Request("parked", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True),
                      arrival_time=0.0, slo=SLO(5.0, 1.0))
@@ -415,7 +415,7 @@ def test_a_new_request_is_not_seated_past_a_parked_one_that_goes_first(
     its whole TTFT SLO left fits the free blocks and b does not. With parked_first, b goes
     first and the free blocks wait for it (seating the new one would take them); off, the
     new request is seated past it."""
-    sched, clock = _two_decodes_until_b_parks(RotationLimits(parked_first=parked_first))
+    sched, clock = _two_decodes_until_b_parks(RotationLimits.bare(parked_first=parked_first))
     assert sched.requests["a"].state is RequestState.RUNNING
     now = clock[0]
     for j in range(40):  # finishes often enough to wait for (Scheduler.LAZY_MIN_FINISHES)
@@ -437,7 +437,7 @@ def test_preemptions_are_counted_by_what_they_were_for() -> None:
     a preemption to seat a parked request, one started request traded for another (the
     simulator prints the split; measured at gh200 defaults, 20 req/s: 1,215 of LVF's 2,214
     rotations, where waiting-first rotated 977 times, all for new ones)."""
-    sched, clock = _two_decodes_until_b_parks(RotationLimits(min_residency=0))
+    sched, clock = _two_decodes_until_b_parks(RotationLimits.bare(min_residency=0))
     st = sched.stats
     assert (st.preemptions, st.growth_preemptions, st.parked_preemptions) == (1, 1, 0)
     slack = sched.policy.slack_s(sched.requests["b"], clock[0])
@@ -454,7 +454,7 @@ def test_preemptions_are_counted_by_what_they_were_for() -> None:
 def test_lvf_learns_how_long_parked_requests_stay_parked() -> None:
     """The scheduler tells the policy each resumed request's stay parked; LVF keeps a
     moving mean of them (what --park-cover weighs a victim's slack against)."""
-    sched, clock = _two_decodes_until_b_parks(RotationLimits(min_residency=0))
+    sched, clock = _two_decodes_until_b_parks(RotationLimits.bare(min_residency=0))
     b = sched.requests["b"]
     parked_at, lvf = b.state_since, sched.policy
     assert isinstance(lvf, LVFPolicy) and lvf.park_s(b.slo) is None
@@ -528,7 +528,7 @@ def test_lvf_frees_every_seat_a_candidate_needs_when_the_seat_limit_drops(
     The iteration-time budget holds these seats, so memory_margin does not apply."""
     clock = [0.0]
     cost = PerToken(1e-5)
-    limits = RotationLimits(min_residency=0, prefill_within=0.02, memory_margin=memory_margin)
+    limits = RotationLimits.bare(min_residency=0, prefill_within=0.02, memory_margin=memory_margin)
     sched = Scheduler(SchedulerConfig(num_device_blocks=256, num_host_blocks=256, block_size=4,
                                       max_num_seqs=16, eager_budget_blocks=0),
                       make_policy("lvf", VLTParams(), limits),

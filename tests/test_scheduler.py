@@ -45,7 +45,7 @@ def run_engine(
             eager_budget_blocks=eager,
             enable_prefix_caching=caching,
         ),
-        make_policy(policy, limits=RotationLimits(xfer_budget_blocks=xfer)),
+        make_policy(policy, limits=RotationLimits.bare(xfer_budget_blocks=xfer)),
         clock=clock,
     )
     store = KVStore(device_blocks, host_blocks, block_size)

@@ -53,7 +53,7 @@ def run_with_fault(
         SchedulerConfig(num_device_blocks=device_blocks, num_host_blocks=host_blocks,
                         block_size=4, max_batched_tokens=32, eager_budget_blocks=8,
                         enable_prefix_caching=caching),
-        make_policy(policy, limits=RotationLimits()), clock=clock,
+        make_policy(policy, limits=RotationLimits.bare()), clock=clock,
     )
     store = KVStore(device_blocks, host_blocks, 4)
     truth: dict[str, list[int]] = {}  # request id -> prompt

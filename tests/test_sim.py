@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_svc.policy import POLICY_NAMES
+from scheduler_svc.policy import POLICY_NAMES, RotationLimits
 from superinfer.sim.cli import main as sim_main
 from superinfer.sim.cost import ExecutionCostModel
 from superinfer.sim.engine import (
-    AUTO,
+    UNLIMITED,
     PolicyVariant,
     SimConfig,
     SimResult,
@@ -47,7 +47,8 @@ def test_pool_sizes_and_auto_budgets_come_from_the_profiles() -> None:
     # B_xfer auto: 50 ms of one direction at the 4 MiB-segment rate, near the paper's 2400.
     assert 1900 < sim.xfer_budget < 2400  # type: ignore[operator]
     assert sim.eager_budget > 0
-    fixed = Simulator(GH200, QWEN, "lvf", SimConfig(xfer_budget_blocks=None, eager_budget_blocks=0))
+    fixed = Simulator(GH200, QWEN, "lvf", SimConfig(xfer_budget_blocks=UNLIMITED,
+                                                    eager_budget_blocks=0))
     assert fixed.xfer_budget is None and fixed.eager_budget == 0
     with pytest.raises(SimulationError, match="no room"):
         Simulator(load_hardware("h100-pcie"), load_model("mixtral-8x7b"), "lvf", SimConfig())
@@ -59,8 +60,10 @@ def test_policy_variants_parse_overrides() -> None:
     cfg = v.apply(SimConfig())
     assert (cfg.xfer_budget_blocks, cfg.layout, cfg.duplex, cfg.eager_budget_blocks) == (
         300, "layer-first", False, 0)
-    assert PolicyVariant.parse("lvf:xfer=none").apply(SimConfig()).xfer_budget_blocks is None
-    assert PolicyVariant.parse("lvf:alpha=1").apply(SimConfig()).alpha == 1.0
+    assert PolicyVariant.parse("lvf:xfer=none").apply(SimConfig()).xfer_budget_blocks == UNLIMITED
+    assert PolicyVariant.parse("lvf:xfer=auto").apply(SimConfig(xfer_budget_blocks=3)
+                                                      ).xfer_budget_blocks is None
+    assert PolicyVariant.parse("lvf:alpha=2").apply(SimConfig()).vlt.alpha == 2.0
     assert PolicyVariant.parse("waiting-first").label == "waiting-first"
     for bad, msg in (("nope", "unknown policy"), ("lvf:colour=red", "unknown policy option"),
                      ("lvf:xfer", "not key=value"), ("lvf:alpha=x", "bad value"),
@@ -122,7 +125,8 @@ def test_slow_transfers_cost_time() -> None:
     trace = small_trace(rps=30.0)
     # What transfers cost needs rotations: no memory margin (at the default 6 LVF rotates
     # a few times here and the variants' clocks differ by their decisions, not their copies).
-    kw = dict(device_blocks=120, host_blocks=4000, xfer_budget_blocks=None, memory_margin=0.0)
+    kw = dict(device_blocks=120, host_blocks=4000, xfer_budget_blocks=UNLIMITED,
+              limits=RotationLimits(memory_margin=0.0))
     _, fast = run("lvf", trace, **kw)
     _, slow = run("lvf:layout=layer-first:duplex=off:eager=0:pipeline=off", trace, **kw)
     assert slow.stats["transfer_s"] > 5 * fast.stats["transfer_s"]  # type: ignore[attr-defined]
@@ -149,7 +153,7 @@ def test_oversized_prompt_is_a_miss_not_a_crash() -> None:
 
 
 def test_simulate_helper_and_stats() -> None:
-    res = simulate(GH200, LLAMA, PolicyVariant.parse("lvf"), SimConfig(xfer_budget_blocks=AUTO),
+    res = simulate(GH200, LLAMA, PolicyVariant.parse("lvf"), SimConfig(xfer_budget_blocks=None),
                    small_trace(duration=2.0), duration_s=2.0)
     assert res.metrics.duration_s == 2.0
     assert res.stats["iterations"] > 0 and res.stats["wall_s"] > 0

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from common.config import EngineConfig
+from common.scheduling import SETTING_NAMES
 from experiments import fidelity
 from experiments.__main__ import main as experiments_main
 from superinfer.bench.serve import cli as bench_cli
@@ -101,21 +102,22 @@ def test_bench_prompt_text_is_exactly_the_trace_length_in_bundled_tokens() -> No
 
 def test_engine_config_is_what_serve_parses() -> None:
     config = json.loads(TRIAL.read_text())["config"] | {
-        "serve_args": "--min-residency 8 --alpha 2 --log-level debug --transfer-mode block-first"}
+        "serve_args": "--xfer-budget-blocks 8 --tbt-slo 0.25 --log-level debug "
+                      "--transfer-mode block-first"}
     ec, transfer = fidelity.engine_config(config, "swapped-first")
     assert (ec.policy, ec.device_blocks, ec.host_blocks, ec.max_num_seqs) == (
         "swapped-first", 64, 4096, 32)
-    assert (ec.min_residency, ec.alpha, ec.ttft_slo, ec.tbt_slo) == (8, 2.0, 10.0, 0.3)
+    assert (ec.xfer_budget_blocks, ec.ttft_slo, ec.tbt_slo) == (8, 10.0, 0.25)
     assert transfer == {"layout": "block-first", "duplex": False}
     cfg = SimConfig.from_engine(ec, **transfer)
     assert (cfg.device_blocks, cfg.max_batched_tokens, cfg.eager_budget_blocks,
-            cfg.xfer_budget_blocks, cfg.min_residency, cfg.duplex) == (64, 512, 32, None, 8, False)
+            cfg.xfer_budget_blocks, cfg.tbt_slo, cfg.duplex) == (64, 512, 32, 8, 0.25, False)
 
 
 def test_a_variant_is_replayed_with_its_own_flags(tmp_path: Path) -> None:
     data = json.loads(TRIAL.read_text())
     data["config"]["variants"] = {
-        "lvf-pf": {"policy": "lvf", "serve_args": "--parked-first --min-residency 8"}}
+        "lvf-pf": {"policy": "lvf", "serve_args": "--no-pipeline --xfer-budget-blocks 8"}}
     data["results"].append({**data["results"][0], "policy": "lvf-pf", "base_policy": "lvf"})
     path, out = tmp_path / "results.json", tmp_path / "f.json"
     path.write_text(json.dumps(data))
@@ -123,18 +125,20 @@ def test_a_variant_is_replayed_with_its_own_flags(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert [r["policy"] for r in report["rows"]] == ["lvf", "swapped-first", "lvf-pf"]
     sim = report["sim_config"]
-    assert (sim["lvf-pf"]["parked_first"], sim["lvf-pf"]["min_residency"]) == (True, 8)
-    assert sim["lvf"]["parked_first"] is False and sim["lvf"]["min_residency"] != 8
+    assert (sim["lvf-pf"]["pipeline"], sim["lvf-pf"]["xfer_budget_blocks"]) == (False, 8)
+    assert sim["lvf"]["pipeline"] is True and sim["lvf"]["xfer_budget_blocks"] != 8
 
 
 def test_sim_defaults_are_the_engines() -> None:
     sim, eng = SimConfig(), EngineConfig()
     shared = {f.name for f in dataclasses.fields(SimConfig)} & {
         f.name for f in dataclasses.fields(EngineConfig)}
-    differ = {k for k in shared if getattr(sim, k) != getattr(eng, k)}
-    # Sized to the simulated link instead (documented in SimConfig).
-    assert differ == {"xfer_budget_blocks", "eager_budget_blocks"}
-    assert sim.xfer_budget_blocks == sim.eager_budget_blocks == AUTO
+    assert shared >= set(SETTING_NAMES)
+    assert {k for k in shared if getattr(sim, k) != getattr(eng, k)} == set()
+    # The eager budget is sized to the simulated link instead (documented in SimConfig);
+    # from_engine takes serve's.
+    assert sim.eager_budget_blocks == AUTO
+    assert SimConfig.from_engine(eng).eager_budget_blocks == 32
 
 
 def test_fidelity_command_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -38,14 +38,14 @@ def test_the_pareto_claim_is_checked_from_one_and_a_half_times_saturation() -> N
 def test_an_lvf_variant_is_checked_in_lvfs_place_and_is_no_ones_baseline() -> None:
     from experiments.policies import check_claims, engine_argv, parse_variants
 
-    variants = parse_variants(["lvf-pf=lvf --parked-first --park-cover 1"], ["lvf", "fcfs"])
-    assert variants == {"lvf-pf": {"policy": "lvf", "serve_args": "--parked-first --park-cover 1"}}
+    variants = parse_variants(["lvf-pf=lvf --no-pipeline --xfer-budget-blocks 8"], ["lvf", "fcfs"])
+    assert variants == {"lvf-pf": {"policy": "lvf", "serve_args": "--no-pipeline --xfer-budget-blocks 8"}}
     config = {"device_blocks": 64, "host_blocks": 4096, "max_num_seqs": 32, "ttft_slo": 10.0,
-              "tbt_slo": 0.3, "serve_args": "--alpha 2", "variants": variants}
+              "tbt_slo": 0.3, "serve_args": "--max-num-seqs 2", "variants": variants}
     assert engine_argv("lvf-pf", config)[:2] == ["--policy", "lvf"]
     assert engine_argv("lvf-pf", config)[-5:] == [
-        "--alpha", "2", "--parked-first", "--park-cover", "1"]
-    assert "--parked-first" not in engine_argv("fcfs", config)
+        "--max-num-seqs", "2", "--no-pipeline", "--xfer-budget-blocks", "8"]
+    assert "--no-pipeline" not in engine_argv("fcfs", config)
     for bad, word in [("lvf", "LABEL=POLICY"), ("fcfs=lvf", "taken"), ("x=nope", "unknown"),
                       ("a/b=lvf", "letters"), ("x=", "LABEL=POLICY")]:
         with pytest.raises(ValueError, match=word):

@@ -7,7 +7,7 @@ policy serves one class first.
 
 from __future__ import annotations
 
-from scheduler_svc.policy.base import OrderKey, RotationLimits, StaticOrderPolicy
+from scheduler_svc.policy.base import BARE_LIMITS, OrderKey, RotationLimits, StaticOrderPolicy
 from scheduler_svc.request import Request, RequestState
 
 
@@ -18,7 +18,7 @@ class FCFSPolicy(StaticOrderPolicy):
     uses_host_pool = False
 
     def __init__(self, limits: RotationLimits | None = None) -> None:
-        self.limits = limits or RotationLimits()
+        self.limits = limits or BARE_LIMITS
 
     def order_key(self, req: Request, rotary: bool) -> OrderKey:
         return 0, (req.arrival_time, req.request_id)
@@ -33,7 +33,7 @@ class SwappedFirstPolicy(StaticOrderPolicy):
     name = "swapped-first"
 
     def __init__(self, limits: RotationLimits | None = None) -> None:
-        self.limits = limits or RotationLimits()
+        self.limits = limits or BARE_LIMITS
 
     def may_swap_in(self, candidate: Request, preempted_this_iteration: bool) -> bool:
         return not preempted_this_iteration  # vLLM 0.6: no swap-in once it had to preempt
@@ -47,9 +47,10 @@ class WaitingFirstPolicy(StaticOrderPolicy):
     """New prefills before swapped requests, preempting running ones to admit them."""
 
     name = "waiting-first"
+    bounded_transfers = True
 
     def __init__(self, limits: RotationLimits | None = None) -> None:
-        self.limits = limits or RotationLimits()
+        self.limits = limits or BARE_LIMITS
 
     def order_key(self, req: Request, rotary: bool) -> OrderKey:
         rank = 1 if rotary else 0

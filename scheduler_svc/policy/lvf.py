@@ -66,6 +66,7 @@ from scheduler_svc.request import SLO, FinishReason, Request, RequestState
 
 class LVFPolicy(Policy):
     name = "lvf"
+    bounded_transfers = True
     # An iteration is a decode request's time between tokens: keep it under 90 % of the
     # tightest TBT SLO (the pipelined step's gap is the iteration plus a little; at 100 %
     # a quarter of the gaps came out just over the SLO, docs/results/simulator/ §10).

@@ -5,10 +5,12 @@
         --json out.json --plot out.png
     superinfer sim calibrate            # measure this machine -> profiles/hardware/cpu-local.json
 
-A policy entry may carry per-run overrides, e.g. `lvf:xfer=300:layout=layer-first:duplex=off:
-eager=0:label=lvf-vllm-offload` (keys: alpha, beta_b, beta_f, stall, xfer, min_res, margin, eager,
-layout, duplex, pipeline, tbt_budget, prefill, cost, label), so one command can run an
-ablation.
+The scheduling flags are `serve`'s (common/scheduling.py). A policy entry may carry per-run
+overrides, e.g. `lvf:xfer=300:layout=layer-first:duplex=off:eager=0:label=lvf-vllm-offload`:
+the settings and the simulated machine's (xfer, eager, layout, duplex, pipeline, cost) and,
+for what-if studies, LVF's rules, which have no flag of their own (alpha, beta_b, beta_f,
+stall, min_res, margin, hold, tbt_budget, prefill, lazy, lazy_margin, parked_first, cover,
+room, memory_margin: scheduler_svc/policy/), so one command can run an ablation.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from common.config import optional_float
+from common.scheduling import SETTING_NAMES, SchedulingSettings
 from superinfer.argtypes import rates
 from superinfer.sim.cost import LAYOUTS
 from superinfer.sim.engine import (
@@ -90,9 +92,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--model", default="qwen2.5-32b",
                    help=f"model profile: {', '.join(available('models'))} or a .json path")
     m.add_argument("--block-size", type=int, default=_D.block_size)
-    m.add_argument("--max-batched-tokens", type=int, default=_D.max_batched_tokens,
-                   help="chunked-prefill token budget per iteration")
-    m.add_argument("--max-num-seqs", type=int, default=_D.max_num_seqs)
     m.add_argument("--device-blocks", type=int, default=None,
                    help="override the device KV pool (default: from the profiles)")
     m.add_argument("--host-blocks", type=int, default=None,
@@ -121,46 +120,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("scheduling (RotaSched)")
     s.add_argument("--policies", default="lvf,swapped-first,waiting-first,fcfs",
                    help="comma-separated policies, each optionally name:key=value:...")
-    s.add_argument("--alpha", type=float, default=_D.alpha)
-    s.add_argument("--beta-b", type=float, default=_D.beta_b)
-    s.add_argument("--beta-f", type=float, default=_D.beta_f)
-    s.add_argument("--max-stall", type=optional_float, default=_D.max_stall,
-                   help="LVF: share of the TTFT SLO a parked, streaming request waits before "
-                        "it outranks new ones ('none': no bound)")
-    s.add_argument("--xfer-budget-blocks", type=_budget, default=AUTO,
-                   help="B_xfer: a count, 'none' (unlimited) or 'auto' (the link's 50 ms worth)")
-    s.add_argument("--min-residency", type=int, default=_D.min_residency,
-                   help="iterations a (re)admitted request is safe from proactive preemption")
-    s.add_argument("--vlt-margin", type=float, default=_D.vlt_margin)
-    s.add_argument("--hold-vlt", type=optional_float, default=_D.hold_vlt,
-                   help="LVF anti-starvation threshold for new requests ('none': off)")
-    s.add_argument("--iteration-budget", type=optional_float, default=_D.iteration_budget,
-                   help="share of the tightest TBT SLO an iteration may take (default: the "
-                        "policy's: lvf 0.9, baselines none; 0: off)")
-    s.add_argument("--prefill-within", type=float, default=_D.prefill_within,
-                   help="decode seats leave room to prefill new prompts within this share of "
-                        "their TTFT SLO")
-    s.add_argument("--lazy-rotation", action=argparse.BooleanOptionalAction,
-                   default=_D.lazy_rotation,
-                   help="LVF: preempt only where a candidate would miss its deadline waiting "
-                        "for seats that finishing requests free")
-    s.add_argument("--lazy-margin", type=float, default=_D.lazy_margin,
-                   help="... plus this share of its TTFT SLO")
-    s.add_argument("--parked-first", action=argparse.BooleanOptionalAction,
-                   default=_D.parked_first,
-                   help="LVF: where no rotation is needed, parked requests go ahead of new "
-                        "ones for as many seats as the new ones can spare")
-    s.add_argument("--park-cover", type=optional_float, default=_D.park_cover,
-                   help="LVF: rotate a started request out only where its slack covers this "
-                        "many times the mean time parked requests have stayed parked "
-                        "('none': off)")
-    s.add_argument("--growth-room", type=float, default=_D.growth_room,
-                   help="LVF: a parked request coming back early into free blocks leaves "
-                        "this share of what the running ones grow by until the next finish")
-    s.add_argument("--memory-margin", type=float, default=_D.memory_margin,
-                   help="LVF: where memory or --max-num-seqs, not the iteration-time budget, "
-                        "holds the seat a candidate needs, it must lag its victim by this "
-                        "much more (in TTFT SLOs; 0: off)")
     s.add_argument("--iteration-cost", choices=["online", "model", "none"], default=_D.cost,
                    help="what the scheduler knows of batch times: a fit of the simulated "
                         "executor's times as the service does (online), the cost model "
@@ -169,17 +128,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="heterogeneous SLOs: 'mixed' (interactive 1 s/50 ms and batch "
                         "20 s/500 ms, half each) or name=TTFT:TBT:SHARE,... in seconds; each "
                         "request carries its class's SLOs")
-    s.add_argument("--eager-budget-blocks", type=_budget, default=AUTO,
-                   help="eager D2H copies per iteration: a count, 0 (off) or 'auto'")
-    s.add_argument("--ttft-slo", type=float, default=_D.ttft_slo, help="S_B, seconds")
-    s.add_argument("--tbt-slo", type=float, default=_D.tbt_slo, help="S_F, seconds")
+    SchedulingSettings.add_arguments(s, skip=("policy",))
     t = p.add_argument_group("transfers (DuplexKV)")
+    t.add_argument("--eager-budget-blocks", type=_budget, default=AUTO,
+                   help="eager D2H copies per iteration: a count, 0 (off) or 'auto' (what the "
+                        "link copies during one decode iteration)")
     t.add_argument("--layout", choices=list(LAYOUTS), default="block-first")
     t.add_argument("--duplex", action=argparse.BooleanOptionalAction, default=True,
                    help="both copy directions at once (default) or one at a time")
-    t.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=_D.pipeline,
-                   help="the engine's pipelined step: plan and copy iteration t+1 while t "
-                        "executes (the engine's default); --no-pipeline: the serial step")
     o = p.add_argument_group("output")
     o.add_argument("--json", default=None, metavar="PATH", help="write config and results")
     o.add_argument("--plot", default=None, metavar="PATH.png",
@@ -197,33 +153,14 @@ def _die(msg: str) -> int:
 def build_config(args: argparse.Namespace) -> SimConfig:
     if args.eager_budget_blocks is None:
         raise SimulationError("--eager-budget-blocks takes a count, 0 or auto")
+    settings = {name: getattr(args, name) for name in SETTING_NAMES if hasattr(args, name)}
     return SimConfig(
+        **settings,
         block_size=args.block_size,
-        max_batched_tokens=args.max_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        alpha=args.alpha,
-        beta_b=args.beta_b,
-        beta_f=args.beta_f,
-        max_stall=args.max_stall,
-        xfer_budget_blocks=args.xfer_budget_blocks,
-        min_residency=args.min_residency,
-        vlt_margin=args.vlt_margin,
-        hold_vlt=args.hold_vlt,
-        iteration_budget=args.iteration_budget,
-        prefill_within=args.prefill_within,
-        lazy_rotation=args.lazy_rotation,
-        lazy_margin=args.lazy_margin,
-        parked_first=args.parked_first,
-        park_cover=args.park_cover,
-        growth_room=args.growth_room,
-        memory_margin=args.memory_margin,
         cost=args.iteration_cost,
         eager_budget_blocks=args.eager_budget_blocks,
         layout=args.layout,
         duplex=args.duplex,
-        pipeline=args.pipeline,
-        ttft_slo=args.ttft_slo,
-        tbt_slo=args.tbt_slo,
         device_blocks=args.device_blocks,
         host_blocks=args.host_blocks,
         max_sim_s=args.max_sim_s,

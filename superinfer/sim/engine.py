@@ -30,29 +30,26 @@ from typing import Any
 from common.config import EngineConfig, optional_float
 from common.contracts import ExecuteResult, ScheduledChunk, TransferPlan, TransferResult
 from common.errors import SuperInferError
+from common.scheduling import SchedulingSettings
 from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.interfaces import SchedulerInterface
-from scheduler_svc.policy import POLICY_NAMES, RotationLimits, VLTParams, make_policy, params_from
+from scheduler_svc.policy import POLICY_NAMES, RotationLimits, VLTParams, make_policy
 from scheduler_svc.policy.iteration_cost import IterationCost, OnlineIterationCost
+from scheduler_svc.policy.xfer_budget import xfer_budget
 from scheduler_svc.request import SLO, Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.scheduler_config import EAGER_BLOCKS
 from superinfer.sim.cost import LAYOUTS, ExecutionCostModel, ModelIterationCost, TransferCostModel
 from superinfer.sim.profile import HardwareProfile, ModelProfile
 from superinfer.sim.vclock import VirtualClock
 from superinfer.slo_metrics import RequestRecord, SLOMetrics, compute_metrics
 from superinfer.workload import TraceRequest
 
-AUTO = -1  # xfer/eager budgets: size to the link (see Simulator)
+AUTO = -1  # the eager budget: size to the link (see Simulator)
+UNLIMITED = -1  # B_xfer: no bound (a what-if; the setting's None is "auto", as in serve)
 LENGTHS = ("known", "unknown")  # SimConfig.lengths
 EOS_TOKEN = 1  # what a request of unknown length samples last (token 0 before it)
-# B_xfer "auto": blocks one direction of the link moves in this time. With GH200 and
-# Qwen2.5-32B (4 MiB blocks at 175 GB/s) it gives ~2090, near the paper's default of 2400.
-XFER_REFERENCE_S = 0.05
-# The scheduling defaults are the engine's (common.config.EngineConfig), so `sim` and
-# `serve` mean the same thing by "the defaults"; min residency 32 was chosen in the sim.
 _ENGINE = EngineConfig()
-DEFAULT_MIN_RESIDENCY = _ENGINE.min_residency
-DEFAULT_VLT_MARGIN = _ENGINE.vlt_margin
 
 
 class SimulationError(SuperInferError):
@@ -61,40 +58,25 @@ class SimulationError(SuperInferError):
 
 
 @dataclass(slots=True)
-class SimConfig:
-    """The scheduler's settings (defaults: EngineConfig's) plus the simulated machine's.
+class SimConfig(SchedulingSettings):
+    """The scheduling settings (common/scheduling.py, defaults and all) plus the simulated
+    machine's, and the policy's rules (`vlt`, `limits`) for what-if studies.
 
-    Two defaults differ from the engine's on purpose: B_xfer and the eager budget are
-    sized to the simulated link (AUTO) instead of the engine's unlimited / 32 blocks, so
-    that one default works from a CPU to a GH200. `from_engine` takes the engine's as-is.
+    `xfer_budget_blocks` None is "auto", as in `serve`: what the link moves one way in
+    50 ms (scheduler_svc/policy/xfer_budget.py), here from the link profile; UNLIMITED: no
+    bound. The eager budget, which `serve` fixes at 32 blocks, is sized to the simulated
+    link (AUTO) so that one default works from a CPU to a GH200. The simulator's traces
+    carry no token ids, so `enable_prefix_caching` has nothing to match here.
     """
 
     block_size: int = _ENGINE.block_size
-    max_batched_tokens: int = _ENGINE.max_batched_tokens
-    max_num_seqs: int = _ENGINE.max_num_seqs
-    alpha: float = _ENGINE.alpha
-    beta_b: float = _ENGINE.beta_b
-    beta_f: float = _ENGINE.beta_f
-    max_stall: float | None = _ENGINE.max_stall
-    xfer_budget_blocks: int | None = AUTO  # B_xfer; None: unlimited
-    min_residency: int = _ENGINE.min_residency
-    vlt_margin: float = _ENGINE.vlt_margin
-    hold_vlt: float | None = _ENGINE.hold_vlt
-    iteration_budget: float | None = _ENGINE.iteration_budget
-    prefill_within: float = _ENGINE.prefill_within
-    lazy_rotation: bool = _ENGINE.lazy_rotation
-    lazy_margin: float = _ENGINE.lazy_margin
-    parked_first: bool = _ENGINE.parked_first
-    park_cover: float | None = _ENGINE.park_cover
-    growth_room: float = _ENGINE.growth_room
-    memory_margin: float = _ENGINE.memory_margin
+    # LVF's rules (their defaults are the engine's): the experiments vary them here.
+    vlt: VLTParams = field(default_factory=VLTParams)
+    limits: RotationLimits = field(default_factory=RotationLimits)
     cost: str = "online"  # what the scheduler knows of iteration times: online, model, none
     eager_budget_blocks: int = AUTO  # 0: no eager copies
     layout: str = "block-first"
     duplex: bool = True
-    pipeline: bool = _ENGINE.pipeline
-    ttft_slo: float = _ENGINE.ttft_slo
-    tbt_slo: float = _ENGINE.tbt_slo
     device_blocks: int | None = None  # None: from the profile's memory
     host_blocks: int | None = None
     max_sim_s: float | None = None  # stop the clock here (None: 10x the trace + 600 s)
@@ -110,11 +92,13 @@ class SimConfig:
 
     @classmethod
     def from_engine(cls, ec: EngineConfig, **overrides: Any) -> SimConfig:
-        """The settings a `superinfer serve` with this EngineConfig schedules with."""
+        """The settings a `superinfer serve` with this EngineConfig schedules with (its
+        eager budget too)."""
         values: dict[str, Any] = {
             f.name: getattr(ec, f.name) for f in dataclasses.fields(cls)
             if f.name in _ENGINE_FIELDS
         }
+        values["eager_budget_blocks"] = EAGER_BLOCKS
         values.update(overrides)
         return cls(**values)
 
@@ -123,10 +107,11 @@ class SimConfig:
             raise SimulationError(f"--layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         if self.block_size < 1:
             raise SimulationError(f"--block-size must be positive, got {self.block_size}")
-        if self.max_batched_tokens < 1 or self.max_num_seqs < 1:
-            raise SimulationError("--max-batched-tokens and --max-num-seqs must be positive")
-        if self.xfer_budget_blocks is not None and self.xfer_budget_blocks < AUTO:
-            raise SimulationError(f"--xfer-budget-blocks must be >= 0, got {self.xfer_budget_blocks}")
+        try:
+            self.check()
+        except ValueError as e:
+            if self.xfer_budget_blocks != UNLIMITED:
+                raise SimulationError(str(e)) from None
         if self.eager_budget_blocks < AUTO:
             raise SimulationError(f"--eager-budget-blocks must be >= 0, got {self.eager_budget_blocks}")
         if self.lengths not in LENGTHS:
@@ -138,8 +123,6 @@ class SimConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise SimulationError(f"max_model_len must be at least 2, got {self.max_model_len}")
         try:
-            params_from(VLTParams, self)
-            params_from(RotationLimits, self, xfer_budget_blocks=None)  # (AUTO: checked above)
             SLO(self.ttft_slo, self.tbt_slo)
         except ValueError as e:
             raise SimulationError(str(e)) from None
@@ -149,39 +132,47 @@ _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 
 
 # -- policy variants -----------------------------------------------------------------------
-_VARIANT_KEYS = {
-    "alpha": ("alpha", float),
-    "beta_b": ("beta_b", float),
-    "beta-b": ("beta_b", float),
-    "beta_f": ("beta_f", float),
-    "beta-f": ("beta_f", float),
-    "stall": ("max_stall", "optional_float"),
-    "max_stall": ("max_stall", "optional_float"),
-    "max-stall": ("max_stall", "optional_float"),
-    "xfer": ("xfer_budget_blocks", "budget"),
-    "min_res": ("min_residency", int),
-    "min-residency": ("min_residency", int),
-    "margin": ("vlt_margin", float),
-    "vlt-margin": ("vlt_margin", float),
-    "hold": ("hold_vlt", "optional_float"),
-    "tbt_budget": ("iteration_budget", "optional_float"),
-    "prefill": ("prefill_within", float),
-    "lazy": ("lazy_rotation", "bool"),
-    "lazy_margin": ("lazy_margin", float),
-    "parked_first": ("parked_first", "bool"),
-    "park_cover": ("park_cover", "optional_float"),
-    "cover": ("park_cover", "optional_float"),
-    "growth_room": ("growth_room", float),
-    "growth-room": ("growth_room", float),
-    "room": ("growth_room", float),
-    "memory_margin": ("memory_margin", float),
-    "memory-margin": ("memory_margin", float),
-    "cost": ("cost", str),
-    "eager": ("eager_budget_blocks", "budget"),
-    "layout": ("layout", str),
-    "duplex": ("duplex", "bool"),
-    "pipeline": ("pipeline", "bool"),
+# key -> (where, field, kind): where is "vlt" or "limits" (the policy's rules) or "" (a
+# SimConfig field: a setting or the simulated machine's).
+_VARIANT_KEYS: dict[str, tuple[str, str, Any]] = {
+    "alpha": ("vlt", "alpha", float),
+    "beta_b": ("vlt", "beta_b", float),
+    "beta_f": ("vlt", "beta_f", float),
+    "stall": ("vlt", "max_stall", "optional_float"),
+    "max_stall": ("vlt", "max_stall", "optional_float"),
+    "xfer": ("", "xfer_budget_blocks", "xfer"),
+    "min_res": ("limits", "min_residency", int),
+    "margin": ("limits", "vlt_margin", float),
+    "hold": ("limits", "hold_vlt", "optional_float"),
+    "tbt_budget": ("limits", "iteration_budget", "optional_float"),
+    "prefill": ("limits", "prefill_within", float),
+    "lazy": ("limits", "lazy_rotation", "bool"),
+    "lazy_margin": ("limits", "lazy_margin", float),
+    "parked_first": ("limits", "parked_first", "bool"),
+    "park_cover": ("limits", "park_cover", "optional_float"),
+    "cover": ("limits", "park_cover", "optional_float"),
+    "growth_room": ("limits", "growth_room", float),
+    "room": ("limits", "growth_room", float),
+    "memory_margin": ("limits", "memory_margin", float),
+    "cost": ("", "cost", str),
+    "eager": ("", "eager_budget_blocks", "budget"),
+    "layout": ("", "layout", str),
+    "duplex": ("", "duplex", "bool"),
+    "pipeline": ("", "pipeline", "bool"),
 }
+
+
+def parse_xfer(text: str) -> int | None:
+    """B_xfer in a policy spec: 'auto' -> None (the setting's auto), 'none' -> UNLIMITED."""
+    t = text.strip().lower()
+    if t == "auto":
+        return None
+    if t in ("none", "inf", "unlimited"):
+        return UNLIMITED
+    v = int(t)
+    if v < 0:
+        raise ValueError(v)
+    return v
 
 
 def parse_budget(text: str) -> int | None:
@@ -239,10 +230,12 @@ class PolicyVariant:
                     f"unknown policy option {key!r} in {spec!r}; known: label, "
                     + ", ".join(sorted(_VARIANT_KEYS))
                 )
-            attr, kind = _VARIANT_KEYS[key]
+            where, attr, kind = _VARIANT_KEYS[key]
             conv: object
             try:
-                if kind == "budget":
+                if kind == "xfer":
+                    conv = parse_xfer(value)
+                elif kind == "budget":
                     conv = parse_budget(value)
                 elif kind == "bool":
                     conv = _parse_bool(value)
@@ -252,11 +245,21 @@ class PolicyVariant:
                     conv = kind(value)  # type: ignore[operator]
             except ValueError:
                 raise SimulationError(f"bad value {value!r} for {key} in {spec!r}") from None
-            overrides.append((attr, conv))
+            overrides.append((f"{where}.{attr}" if where else attr, conv))
         return cls(name, label, tuple(overrides))
 
     def apply(self, cfg: SimConfig) -> SimConfig:
-        changes: dict[str, Any] = dict(self.overrides)
+        changes: dict[str, Any] = {}
+        nested: dict[str, dict[str, Any]] = {"vlt": {}, "limits": {}}
+        for key, value in self.overrides:
+            where, _, attr = key.rpartition(".")
+            (nested[where] if where else changes)[attr] = value
+        try:
+            for where, values in nested.items():
+                if values:
+                    changes[where] = dataclasses.replace(getattr(cfg, where), **values)
+        except ValueError as e:
+            raise SimulationError(f"{self.label}: {e}") from None
         return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
@@ -298,10 +301,11 @@ class Simulator:
         self.exec_model = ExecutionCostModel(hw, model)
         self.xfer_model = TransferCostModel(hw, model, cfg.block_size, cfg.layout, cfg.duplex)
         block_bw = hw.link.d2h(self.block_bytes)
-        if cfg.xfer_budget_blocks == AUTO:
-            self.xfer_budget: int | None = max(
-                1, int(block_bw * XFER_REFERENCE_S / self.block_bytes)
-            )
+        self.xfer_budget: int | None
+        if cfg.xfer_budget_blocks is None:  # auto: the serve rule, from the link profile
+            self.xfer_budget = xfer_budget(block_bw / self.block_bytes)
+        elif cfg.xfer_budget_blocks == UNLIMITED:
+            self.xfer_budget = None
         else:
             self.xfer_budget = cfg.xfer_budget_blocks
         if cfg.eager_budget_blocks == AUTO:
@@ -330,8 +334,8 @@ class Simulator:
         c = self.cfg
         policy = make_policy(
             self.policy_name,
-            params_from(VLTParams, c),
-            params_from(RotationLimits, c, xfer_budget_blocks=self.xfer_budget),
+            c.vlt,
+            dataclasses.replace(c.limits, xfer_budget_blocks=self.xfer_budget),
         )
         cost: IterationCost | None = None
         if c.cost == "model":
