@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 from pathlib import Path
 
@@ -174,3 +175,39 @@ def test_xfer_budget_auto_is_what_the_measured_link_moves_in_50_ms() -> None:
     rate.observe(out200, TransferResult(d2h_s=0.01))
     rate.observe(out200, TransferResult(d2h_s=0.02))  # 10,000/s: the mean moves halfway
     assert rate.budget() == 750
+
+
+def test_lvf_residency_falls_as_first_tokens_slow_and_returns_when_they_are_quick() -> None:
+    """The adaptive residency: the full 32 iterations while first tokens come within half
+    their TTFT SLO, none once a twentieth of the last 128 took longer, back as the slow
+    ones leave the window; fixed where adaptation is off; admission uses it."""
+    from scheduler_svc.policy.lvf import LVFPolicy
+    from scheduler_svc.policy.residency import FULL_PRESSURE, WINDOW
+    from scheduler_svc.request import SLO, Request, SamplingParams
+
+    lvf = make_policy("lvf", VLTParams(), RotationLimits())
+    assert isinstance(lvf, LVFPolicy) and lvf.min_residency() == 32
+
+    def first_token(wait_s: float) -> None:
+        r = Request("r", [1, 2], SamplingParams(max_tokens=4), arrival_time=0.0,
+                    slo=SLO(2.0, 0.1))
+        r.first_token_time = wait_s
+        lvf.observe_first_token(r)
+
+    for _ in range(WINDOW):
+        first_token(0.9)  # under half of 2 s
+    assert lvf.min_residency() == 32
+    slow = math.ceil(WINDOW * FULL_PRESSURE / 2)
+    for _ in range(slow):
+        first_token(1.5)  # over half, within the SLO: already a sign
+    assert 0 < lvf.min_residency() < 32
+    for _ in range(slow):
+        first_token(3.0)
+    assert lvf.min_residency() == 0
+    for _ in range(WINDOW):
+        first_token(0.1)
+    assert lvf.min_residency() == 32
+    fixed = make_policy("lvf", VLTParams(), RotationLimits(adapt_residency=False, min_residency=7))
+    for _ in range(WINDOW):
+        fixed.observe_first_token(Request("r", [1], SamplingParams(), 0.0, slo=SLO(1.0, 0.1)))
+    assert fixed.min_residency() == 7

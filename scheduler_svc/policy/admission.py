@@ -43,7 +43,7 @@ def admit(state: SchedulingState, order: Sequence[Request], plan: Plan,
             state.rotation_inputs(), iter(queue), plan.now, plan.budget)
     # Preemption victims, lowest first: past their minimum residency (FCFS-like
     # iterations, and lazy ones that need no rotation, preempt nobody for a candidate).
-    it, residency, running = state.iteration, limits.min_residency, RequestState.RUNNING
+    it, residency, running = state.iteration, policy.min_residency(), RequestState.RUNNING
     rotary_state = RequestState.ROTARY  # (an Enum member lookup is slow: a local)
     victims = [] if not rotate else [
         r for r in reversed(order)

@@ -46,8 +46,10 @@ class RotationLimits:
 
     xfer_budget_blocks: int | None = None  # B_xfer: blocks rotated in+out per iteration
     # Iterations a (re)admitted request is safe from proactive preemption (chosen in the
-    # simulator: docs/results/simulator/).
+    # simulator: docs/results/simulator/); LVF's ceiling where it adapts the residency to
+    # the late first tokens it sees (policy/residency.py; off: this fixed value).
     min_residency: int = 32
+    adapt_residency: bool = True
     vlt_margin: float = 0.0  # a victim must lag at least this much less than the candidate
     # Anti-starvation for policies that skip unservable candidates: a waiting request with
     # no token yet whose VLT reaches this is no longer skipped: admission stops there, so
@@ -197,6 +199,14 @@ class Policy(ABC):
         """A batch ran for `seconds`: the time between tokens its running requests got.
         True: the queued requests' `order_key`s changed (the scheduler re-files them)."""
         return False
+
+    def observe_first_token(self, req: Request) -> None:
+        """`req`'s first token landed (LVF adapts its residency to how many are late)."""
+        return None
+
+    def min_residency(self) -> int:
+        """Iterations a (re)admitted request is safe from proactive rotation now."""
+        return self.limits.min_residency
 
     def observe_park(self, req: Request, now: float) -> None:
         """Rotary `req` comes back onto the device at `now`, parked since

@@ -49,6 +49,7 @@ import bisect
 from collections.abc import Iterable
 
 from scheduler_svc.policy.base import OrderKey, Policy, RotationLimits, Unservable
+from scheduler_svc.policy.residency import WAIT_SHARE, AdaptiveResidency
 from scheduler_svc.policy.vlt import (
     FIRST_TOKEN_BATCHES,
     OutputLengths,
@@ -107,6 +108,9 @@ class LVFPolicy(Policy):
         self.output_lengths = OutputLengths()
         self.lengths: tuple[int, ...] = ()
         self._lengths_at = 0
+        # The minimum residency, adapted to the late first tokens (policy/residency.py).
+        self.residency = (AdaptiveResidency(limits.min_residency) if limits.adapt_residency
+                          else None)
 
     def set_lag_unit(self, unit_s: float | None) -> None:
         if unit_s != self.lag_unit_s:
@@ -130,6 +134,15 @@ class LVFPolicy(Policy):
         self._asked = (None, 0.0, None)
         self._ranked = (0.0, {})
         return True
+
+    def observe_first_token(self, req: Request) -> None:
+        if self.residency is not None and req.first_token_time is not None:
+            self.residency.observe_first_token(
+                req.first_token_time - req.arrival_time > WAIT_SHARE * req.slo.ttft_s)
+
+    def min_residency(self) -> int:
+        r = self.residency
+        return self.limits.min_residency if r is None else r.iterations
 
     def observe_finish(self, req: Request) -> None:
         if req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):

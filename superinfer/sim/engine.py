@@ -142,6 +142,7 @@ _VARIANT_KEYS: dict[str, tuple[str, str, Any]] = {
     "max_stall": ("vlt", "max_stall", "optional_float"),
     "xfer": ("", "xfer_budget_blocks", "xfer"),
     "min_res": ("limits", "min_residency", int),
+    "adapt": ("limits", "adapt_residency", "bool"),
     "margin": ("limits", "vlt_margin", float),
     "hold": ("limits", "hold_vlt", "optional_float"),
     "tbt_budget": ("limits", "iteration_budget", "optional_float"),
