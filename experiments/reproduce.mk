@@ -4,7 +4,7 @@ PYX := $(BIN)/python -m experiments
 SIM := $(BIN)/superinfer sim
 OUTX := .experiments
 
-.PHONY: reproduce-rotasched reproduce-rotasched-cells reproduce-rotasched-real reproduce-decision-cost \
+.PHONY: reproduce-rotasched reproduce-rotasched-cells reproduce-rotasched-real reproduce-rate-step reproduce-decision-cost \
 	reproduce-simulator reproduce-simulator-figures reproduce-pipeline reproduce-duplexkv \
 	reproduce-executor reproduce-prefix-cache reproduce-tensor-parallel reproduce-grammar \
 	reproduce-compose reproduce-replicas
@@ -25,6 +25,11 @@ reproduce-rotasched-real: venv
 	    --bench-args "--endpoint chat --no-ignore-eos --max-tokens 512" \
 	    --out $(OUTX)/rotasched_real/s$${s}_$$r || exit 1; \
 	done; done
+
+# The rate step behind LVF's adaptive residency, simulator, three seeds (~5 min).
+reproduce-rate-step: venv
+	$(PYX) rate-step --params fixed_res --seeds 0,1,2 --base 14 --peak 28 --out $(OUTX)/rate_step_14
+	$(PYX) rate-step --params fixed_res --seeds 0,1,2 --base 17 --peak 34 --out $(OUTX)/rate_step_17
 
 reproduce-decision-cost: venv
 	$(PYX) sched

@@ -418,7 +418,6 @@ class Scheduler(RecoveryMixin):
                 continue
             tok = result.sampled[chunk.request_id]
             queue = self._queue_of(req)
-            first = req.first_token_time is None
             if queue is not None:
                 # Preempted while its token was in flight: the new last-token time moves it
                 # in its queue's order.
@@ -427,8 +426,6 @@ class Scheduler(RecoveryMixin):
                 queue.append(req)
             else:
                 req.append_token(tok, now)
-            if first:
-                self.policy.observe_first_token(req)
             reason = req.check_stop()
             if reason is not None:
                 self._finish(req, reason, now)

@@ -116,6 +116,8 @@ class Queue:
                        for i, r in enumerate(self.items))
         return [[(k, i, r) for k, i, r in keyed]] if keyed else []
 
+    live_groups = groups
+
     def min_tokens(self) -> int | None:
         return min((r.num_tokens for r in self.items), default=None)
 

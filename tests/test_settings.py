@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import re
 from pathlib import Path
 
@@ -177,37 +176,37 @@ def test_xfer_budget_auto_is_what_the_measured_link_moves_in_50_ms() -> None:
     assert rate.budget() == 750
 
 
-def test_lvf_residency_falls_as_first_tokens_slow_and_returns_when_they_are_quick() -> None:
-    """The adaptive residency: the full 32 iterations while first tokens come within half
-    their TTFT SLO, none once a twentieth of the last 128 took longer, back as the slow
-    ones leave the window; fixed where adaptation is off; admission uses it."""
+def test_lvf_residency_falls_as_waiting_requests_turn_late_and_returns_when_they_are_served() -> None:
+    """The adaptive residency: the full 32 iterations while at most 2 % of the running
+    batch waits late, none from 10 %, linear between; it counts a queue's late ones from
+    its head only, and stays fixed where adaptation is off."""
     from scheduler_svc.policy.lvf import LVFPolicy
-    from scheduler_svc.policy.residency import FULL_PRESSURE, WINDOW
+    from scheduler_svc.queue import RequestQueue
     from scheduler_svc.request import SLO, Request, SamplingParams
 
     lvf = make_policy("lvf", VLTParams(), RotationLimits())
-    assert isinstance(lvf, LVFPolicy) and lvf.min_residency() == 32
+    assert isinstance(lvf, LVFPolicy)
+    waiting = RequestQueue(lambda r: lvf.order_key(r, False))
+    now = 100.0
 
-    def first_token(wait_s: float) -> None:
-        r = Request("r", [1, 2], SamplingParams(max_tokens=4), arrival_time=0.0,
-                    slo=SLO(2.0, 0.1))
-        r.first_token_time = wait_s
-        lvf.observe_first_token(r)
+    def wait(n: int, arrival: float) -> None:
+        for _ in range(n):
+            waiting.append(Request(f"r{len(waiting)}", [1, 2], SamplingParams(max_tokens=4),
+                                   arrival_time=arrival, slo=SLO(2.0, 0.1)))
 
-    for _ in range(WINDOW):
-        first_token(0.9)  # under half of 2 s
-    assert lvf.min_residency() == 32
-    slow = math.ceil(WINDOW * FULL_PRESSURE / 2)
-    for _ in range(slow):
-        first_token(1.5)  # over half, within the SLO: already a sign
-    assert 0 < lvf.min_residency() < 32
-    for _ in range(slow):
-        first_token(3.0)
-    assert lvf.min_residency() == 0
-    for _ in range(WINDOW):
-        first_token(0.1)
-    assert lvf.min_residency() == 32
+    assert lvf.min_residency(waiting, 100, now) == 32  # nobody waits
+    wait(2, 90.0)  # 10 s for a 2 s TTFT SLO: late
+    wait(50, 99.9)  # on time
+    assert lvf.min_residency(waiting, 100, now) == 32  # 2 % of 100 running
+    wait(4, 91.0)
+    assert lvf.min_residency(waiting, 100, now) == 16  # 6 %: half way
+    wait(5, 92.0)
+    assert lvf.min_residency(waiting, 100, now) == 0  # 11 %
+    assert lvf.min_residency(waiting, 1000, now) == 32  # the same 11 late in a larger batch
+    for r in list(waiting):
+        if r.arrival_time < 99.0:
+            waiting.remove(r)  # served
+    assert lvf.min_residency(waiting, 100, now) == 32
     fixed = make_policy("lvf", VLTParams(), RotationLimits(adapt_residency=False, min_residency=7))
-    for _ in range(WINDOW):
-        fixed.observe_first_token(Request("r", [1], SamplingParams(), 0.0, slo=SLO(1.0, 0.1)))
-    assert fixed.min_residency() == 7
+    wait(20, 50.0)
+    assert fixed.min_residency(waiting, 100, now) == 7

@@ -43,7 +43,8 @@ def admit(state: SchedulingState, order: Sequence[Request], plan: Plan,
             state.rotation_inputs(), iter(queue), plan.now, plan.budget)
     # Preemption victims, lowest first: past their minimum residency (FCFS-like
     # iterations, and lazy ones that need no rotation, preempt nobody for a candidate).
-    it, residency, running = state.iteration, policy.min_residency(), RequestState.RUNNING
+    it, running = state.iteration, RequestState.RUNNING
+    residency = policy.min_residency(state.waiting, len(state.running), plan.now) if rotate else 0
     rotary_state = RequestState.ROTARY  # (an Enum member lookup is slow: a local)
     victims = [] if not rotate else [
         r for r in reversed(order)

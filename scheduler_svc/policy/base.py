@@ -27,9 +27,13 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from scheduler_svc.queue import Entry
 from scheduler_svc.request import Request, RequestState
+
+if TYPE_CHECKING:
+    from scheduler_svc.policy.state import Queue
 
 OrderKey = tuple[Hashable, tuple[float | int | str, ...]]
 
@@ -47,7 +51,7 @@ class RotationLimits:
     xfer_budget_blocks: int | None = None  # B_xfer: blocks rotated in+out per iteration
     # Iterations a (re)admitted request is safe from proactive preemption (chosen in the
     # simulator: docs/results/simulator/); LVF's ceiling where it adapts the residency to
-    # the late first tokens it sees (policy/residency.py; off: this fixed value).
+    # the late requests waiting (policy/residency.py; off: this fixed value).
     min_residency: int = 32
     adapt_residency: bool = True
     vlt_margin: float = 0.0  # a victim must lag at least this much less than the candidate
@@ -200,12 +204,9 @@ class Policy(ABC):
         True: the queued requests' `order_key`s changed (the scheduler re-files them)."""
         return False
 
-    def observe_first_token(self, req: Request) -> None:
-        """`req`'s first token landed (LVF adapts its residency to how many are late)."""
-        return None
-
-    def min_residency(self) -> int:
-        """Iterations a (re)admitted request is safe from proactive rotation now."""
+    def min_residency(self, waiting: Queue, running: int, now: float) -> int:
+        """Iterations a (re)admitted request is safe from proactive rotation now (LVF
+        adapts it to the late requests in `waiting`)."""
         return self.limits.min_residency
 
     def observe_park(self, req: Request, now: float) -> None:

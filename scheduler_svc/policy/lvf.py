@@ -47,9 +47,10 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from scheduler_svc.policy.base import OrderKey, Policy, RotationLimits, Unservable
-from scheduler_svc.policy.residency import WAIT_SHARE, AdaptiveResidency
+from scheduler_svc.policy.residency import AdaptiveResidency
 from scheduler_svc.policy.vlt import (
     FIRST_TOKEN_BATCHES,
     OutputLengths,
@@ -63,6 +64,9 @@ from scheduler_svc.policy.vlt import (
 )
 from scheduler_svc.queue import Entry
 from scheduler_svc.request import SLO, FinishReason, Request, RequestState
+
+if TYPE_CHECKING:
+    from scheduler_svc.policy.state import Queue
 
 
 class LVFPolicy(Policy):
@@ -108,7 +112,7 @@ class LVFPolicy(Policy):
         self.output_lengths = OutputLengths()
         self.lengths: tuple[int, ...] = ()
         self._lengths_at = 0
-        # The minimum residency, adapted to the late first tokens (policy/residency.py).
+        # The minimum residency, adapted to the late waiting requests (policy/residency.py).
         self.residency = (AdaptiveResidency(limits.min_residency) if limits.adapt_residency
                           else None)
 
@@ -135,14 +139,19 @@ class LVFPolicy(Policy):
         self._ranked = (0.0, {})
         return True
 
-    def observe_first_token(self, req: Request) -> None:
-        if self.residency is not None and req.first_token_time is not None:
-            self.residency.observe_first_token(
-                req.first_token_time - req.arrival_time > WAIT_SHARE * req.slo.ttft_s)
-
-    def min_residency(self) -> int:
+    def min_residency(self, waiting: Queue, running: int, now: float) -> int:
         r = self.residency
-        return self.limits.min_residency if r is None else r.iterations
+        if r is None:
+            return self.limits.min_residency
+        # Waiting requests in a group are in their deadlines' order: count each group's
+        # late ones from its head, no further than the count that leaves no residency.
+        limit, late, gap = r.count_limit(running), 0, self.gap_s
+        for run in waiting.live_groups():
+            for _, _, req in run:
+                if late >= limit or not is_late(req, now, gap):
+                    break
+                late += 1
+        return r.update(late, running)
 
     def observe_finish(self, req: Request) -> None:
         if req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):

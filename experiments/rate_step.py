@@ -1,4 +1,5 @@
-"""Rate-step probe: which LVF parameter's best value moves with load (simulator only).
+"""Rate step in the simulator: which LVF rule's best value moves with load, and the
+adaptive residency against each fixed one.
 
 A three-phase trace on the must-show cell `mixed_gh200_artifact` (GH200, Qwen2.5-32B,
 the artifact's flags, ShareGPT-like lengths, mixed SLO classes): phase 1 at `--base`
@@ -8,10 +9,12 @@ and classes). Every request is scored by the phase its arrival falls in, with th
 own `compute_metrics`; while the run goes, the scheduler is sampled every `--sample-s`
 simulated seconds (queue lengths, iteration time, parked requests' lateness).
 
-    python -m experiments.rate_step_probe --seeds 0 --out .experiments/rate_step/runs
+    python -m experiments rate-step --params fixed_res --seeds 0,1,2 --base 14 --peak 28
 
-Writes `<out>/<label>.seed<N>.json` per run and `<out>/summary.md`. Experimental; not
-wired into `python -m experiments`.
+Writes `<out>/<label>.seed<N>.json` per run, `<out>/summary.md` and `<out>/results.json`
+(per variant and phase, the mean over the seeds; with `fixed_res`, the adaptation check:
+in each phase, adaptive >= the default fixed residency and within 2 points of the best
+fixed one, on the mean joint attainment).
 """
 
 from __future__ import annotations
@@ -266,8 +269,7 @@ def summarize(results: list[dict[str, Any]], params: list[str], seeds: list[int]
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=".experiments/rate_step/runs")
     p.add_argument("--seeds", default="0")
     p.add_argument("--params", default=",".join(SWEEPS))
@@ -278,7 +280,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--only", default=None, help="comma-separated labels to run (default: all)")
     p.add_argument("--summary-only", action="store_true")
-    a = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def run(a: argparse.Namespace) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     seeds = [int(s) for s in a.seeds.split(",")]
@@ -306,7 +316,51 @@ def main(argv: list[str] | None = None) -> int:
     text = summarize(results, params, seeds)
     (out / "summary.md").write_text(text + "\n")
     print(text)
+    summary = mean_rows(results, seeds)
+    check = adaptation_check(summary) if "fixed_res" in params else None
+    if check is not None:
+        print("\nadaptive vs fixed residency, mean joint % over the seeds, per phase:")
+        for c in check["phases"]:
+            print(f"  P{c['phase']}: adaptive {c['adaptive']:.1f}, fixed 32 {c['default']:.1f}, "
+                  f"best fixed {c['best']:.1f} ({c['best_label']}): "
+                  f"{'holds' if c['holds'] else 'FAILS'}")
+    (out / "results.json").write_text(json.dumps(
+        {"phases": phases, "seeds": seeds, "rows": summary, "adaptation_check": check},
+        indent=1) + "\n")
     return 0
+
+
+def mean_rows(results: list[dict[str, Any]], seeds: list[int]) -> list[dict[str, Any]]:
+    """Per label and phase: the mean over `seeds` of TTFT, TBT, TPOT and joint attainment."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        if r["seed"] in seeds:
+            by.setdefault(r["label"], []).append(r)
+    rows = []
+    for label, runs in sorted(by.items()):
+        for k in range(len(runs[0]["per_phase"])):
+            ph = [r["per_phase"][k] for r in runs]
+            rows.append({"label": label, "phase": k + 1, "seeds": len(runs), **{
+                m: sum(x[m] for x in ph) / len(ph) for m in ("ttft", "tbt", "tpot", "joint")},
+                "joint_per_seed": [x["joint"] for x in ph]})
+    return rows
+
+
+def adaptation_check(rows: list[dict[str, Any]], points: float = 2.0) -> dict[str, Any] | None:
+    """In each phase: adaptive (the default run) >= fixed 32 and within `points` of the best
+    fixed residency, on the mean joint attainment."""
+    phases: list[dict[str, Any]] = []
+    for k in sorted({r["phase"] for r in rows}):
+        at = {r["label"]: 100.0 * r["joint"] for r in rows if r["phase"] == k}
+        fixed = {lab: v for lab, v in at.items() if lab.startswith("fixed_res=")}
+        if "default" not in at or "fixed_res=32" not in fixed:
+            return None
+        best_label = max(fixed, key=lambda lab: fixed[lab])
+        a, d, b = at["default"], fixed["fixed_res=32"], fixed[best_label]
+        phases.append({"phase": k, "adaptive": a, "default": d, "best": b,
+                       "best_label": best_label,
+                       "holds": a >= d - 1e-9 and a >= b - points})
+    return {"points": points, "phases": phases, "holds": all(p["holds"] for p in phases)}
 
 
 if __name__ == "__main__":
