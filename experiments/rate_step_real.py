@@ -1,8 +1,8 @@
 """Rate step on the real stack: LVF's adaptive residency against fixed ones, per phase.
 
-For each variant of LVF's rules (`--variants`; default `adaptive`: the rules as the engine
-runs them, `fixed32`: adapt_residency=off,min_residency=32, `fixed0`:
-adapt_residency=off,min_residency=0) it starts the real four-service stack as `superinfer
+For each variant of LVF's rules (`--variants`; default `adaptive`: adapt_residency=on,
+`fixed32`: the engine's own rules (a fixed residency of 32), `fixed0`:
+min_residency=0) it starts the real four-service stack as `superinfer
 serve` does (worker, kvmem, scheduler, gateway: separate processes under serve's
 supervisor), its scheduler child run through `python -m experiments.rules_scheduler
 --rules RULES` (the only place the rules are set: no server flag, environment variable or
@@ -58,9 +58,9 @@ from typing import Any
 
 # name -> rules (experiments/rules_scheduler.py's --rules text; '' is the engine's own).
 PRESETS: dict[str, str] = {
-    "adaptive": "",
-    "fixed32": "adapt_residency=off,min_residency=32",
-    "fixed0": "adapt_residency=off,min_residency=0",
+    "adaptive": "adapt_residency=on",
+    "fixed32": "",
+    "fixed0": "min_residency=0",
 }
 VARIANTS = "adaptive,fixed32,fixed0"
 # The bench serve workload of the real-stack cells (experiments/reproduce.mk,

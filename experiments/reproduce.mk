@@ -28,8 +28,8 @@ reproduce-rotasched-real: venv
 
 # The rate step behind LVF's adaptive residency, simulator, three seeds (~5 min).
 reproduce-rate-step: venv
-	$(PYX) rate-step --params fixed_res --seeds 0,1,2 --base 14 --peak 28 --out $(OUTX)/rate_step_14
-	$(PYX) rate-step --params fixed_res --seeds 0,1,2 --base 17 --peak 34 --out $(OUTX)/rate_step_17
+	$(PYX) rate-step --params fixed_res,adaptive --seeds 0,1,2 --base 14 --peak 28 --out $(OUTX)/rate_step_14
+	$(PYX) rate-step --params fixed_res,adaptive --seeds 0,1,2 --base 17 --peak 34 --out $(OUTX)/rate_step_17
 
 reproduce-decision-cost: venv
 	$(PYX) sched

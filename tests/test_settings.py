@@ -177,14 +177,15 @@ def test_xfer_budget_auto_is_what_the_measured_link_moves_in_50_ms() -> None:
 
 
 def test_lvf_residency_falls_as_waiting_requests_turn_late_and_returns_when_they_are_served() -> None:
-    """The adaptive residency: the full 32 iterations while at most 2 % of the running
-    batch waits late, none from 10 %, linear between; it counts a queue's late ones from
-    its head only, and stays fixed where adaptation is off."""
+    """The adaptive residency (off by default: it did not pay): the full 32 iterations
+    while at most 2 % of the running batch waits late, none from 10 %, linear between; it
+    counts a queue's late ones from its head only, and stays fixed where it is off."""
     from scheduler_svc.policy.lvf import LVFPolicy
     from scheduler_svc.queue import RequestQueue
     from scheduler_svc.request import SLO, Request, SamplingParams
 
-    lvf = make_policy("lvf", VLTParams(), RotationLimits())
+    assert make_policy("lvf", VLTParams(), RotationLimits()).residency is None  # type: ignore[attr-defined]
+    lvf = make_policy("lvf", VLTParams(), RotationLimits(adapt_residency=True))
     assert isinstance(lvf, LVFPolicy)
     waiting = RequestQueue(lambda r: lvf.order_key(r, False))
     now = 100.0

@@ -69,18 +69,18 @@ def test_the_patched_setup_builds_the_scheduler_policy_with_the_overrides(patche
 
     before = setup.policy_from(cfg)
     assert isinstance(before, LVFPolicy)
-    assert before.limits.adapt_residency and before.limits.min_residency == 32
-    assert before.residency is not None  # adaptive
-    patched({"adapt_residency": False, "min_residency": 0, "memory_margin": 3.0})
+    assert not before.limits.adapt_residency and before.limits.min_residency == 32
+    assert before.residency is None  # fixed, the default
+    patched({"adapt_residency": True, "min_residency": 0, "memory_margin": 3.0})
     policy = setup.policy_from(cfg)  # what build_scheduler calls in the scheduler service
     assert isinstance(policy, LVFPolicy)
-    assert policy.limits == RotationLimits(xfer_budget_blocks=64, adapt_residency=False,
+    assert policy.limits == RotationLimits(xfer_budget_blocks=64, adapt_residency=True,
                                            min_residency=0, memory_margin=3.0)
     from scheduler_svc.queue import RequestQueue
 
-    assert policy.residency is None and policy.min_residency(RequestQueue(), 8, 0.0) == 0
+    assert policy.residency is not None and policy.min_residency(RequestQueue(), 8, 0.0) == 0
     sched = setup.build_scheduler(cfg, 64, 128, 2048)  # the service's own path
-    assert sched.policy.limits.min_residency == 0 and not sched.policy.limits.adapt_residency
+    assert sched.policy.limits.min_residency == 0 and sched.policy.limits.adapt_residency
 
 
 def test_install_is_undone_and_refuses_to_stack(patched: Any) -> None:
@@ -127,11 +127,9 @@ def test_variants_resolve_to_checked_rules() -> None:
     from experiments.rate_step_real import resolve_variants
 
     assert resolve_variants("adaptive,fixed32,fixed0", []) == {
-        "adaptive": "", "fixed32": "adapt_residency=off,min_residency=32",
-        "fixed0": "adapt_residency=off,min_residency=0"}
-    assert resolve_variants("fixed0", ["f8=adapt_residency=off,min_residency=8"]) == {
-        "fixed0": "adapt_residency=off,min_residency=0",
-        "f8": "adapt_residency=off,min_residency=8"}
+        "adaptive": "adapt_residency=on", "fixed32": "", "fixed0": "min_residency=0"}
+    assert resolve_variants("fixed0", ["f8=min_residency=8"]) == {
+        "fixed0": "min_residency=0", "f8": "min_residency=8"}
     for names, defined, says in (("nope", [], "unknown variant 'nope'"),
                                  ("x", ["x=min_res=3"], "unknown rule 'min_res'"),
                                  ("fixed0,fixed0", [], "named twice")):

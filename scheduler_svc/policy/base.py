@@ -50,10 +50,13 @@ class RotationLimits:
 
     xfer_budget_blocks: int | None = None  # B_xfer: blocks rotated in+out per iteration
     # Iterations a (re)admitted request is safe from proactive preemption (chosen in the
-    # simulator: docs/results/simulator/); LVF's ceiling where it adapts the residency to
-    # the late requests waiting (policy/residency.py; off: this fixed value).
+    # simulator: docs/results/simulator/).
     min_residency: int = 32
-    adapt_residency: bool = True
+    # ... or, on, LVF's ceiling for a residency that falls as waiting requests turn late
+    # (policy/residency.py). Off: on a rate step it won 1.6 of the 5 points a shorter
+    # residency wins at 2x, and on Llama-3-8B at 100 req/s it thrashed (rotations x2.4,
+    # TTFT -2.2 points; docs/results/rotasched/, "The residency adapted online").
+    adapt_residency: bool = False
     vlt_margin: float = 0.0  # a victim must lag at least this much less than the candidate
     # Anti-starvation for policies that skip unservable candidates: a waiting request with
     # no token yet whose VLT reaches this is no longer skipped: admission stops there, so
