@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from common.scheduling import POLICY_NAMES, SchedulingSettings
+from common.scheduling import POLICY_NAMES, SchedulingSettings, add_setting_flags
 
 __all__ = ["DTYPE_NAMES", "GIB", "KV_DTYPE_NAMES", "POLICY_NAMES", "EngineConfig", "optional_float"]
 
@@ -106,7 +106,7 @@ class EngineConfig(SchedulingSettings):
                        help="split the model's heads over N worker processes (torch."
                             "distributed, gloo on the CPU); the attention and KV heads "
                             "must divide by N")
-        SchedulingSettings.add_arguments(p.add_argument_group(
+        add_setting_flags(p.add_argument_group(
             "scheduling (RotaSched; everything else is computed or adapted: docs/rotasched.md)"))
         o = p.add_argument_group("observability")
         o.add_argument("--trace", default=None, metavar="PATH",

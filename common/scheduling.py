@@ -2,7 +2,7 @@
 
 `SchedulingSettings` is the one home of these settings and their defaults. `EngineConfig`
 (the server's configuration) and `SimConfig` (the simulator's) inherit it, and
-`add_arguments` writes their command-line flags from the fields, so `superinfer serve
+`add_setting_flags` writes their command-line flags from the fields, so `superinfer serve
 --help`, `superinfer sim --help` and docs/cli.md (generated from the parser) say the same
 thing. Names follow vLLM where the meaning is the same.
 
@@ -92,29 +92,29 @@ class SchedulingSettings:
             raise ValueError(f"--xfer-budget-blocks must be >= 0 (auto: from the link), got "
                              f"{self.xfer_budget_blocks}")
 
-    @staticmethod
-    def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup,
+
+def add_setting_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup,
                       skip: tuple[str, ...] = ()) -> None:
-        """One flag per field (but those in `skip`), its default the declared one."""
-        for f in fields(SchedulingSettings):
-            if f.name in skip:
-                continue
-            meta = f.metadata
-            default = f.default
-            assert default is not MISSING
-            shown = "auto" if default is None else "%(default)s"
-            kw: dict[str, Any] = {"dest": f.name, "default": default,
-                                  "help": f"{meta['help']} (default: {shown})"}
-            if meta["switch"]:
-                kw["action"] = argparse.BooleanOptionalAction
-            else:
-                if meta["type"] is not None:
-                    kw["type"] = meta["type"]
-                if meta["choices"] is not None:
-                    kw["choices"] = list(meta["choices"])
-                if meta["metavar"] is not None:
-                    kw["metavar"] = meta["metavar"]
-            p.add_argument(*meta["flags"], **kw)
+    """One flag per field (but those in `skip`), its default the declared one."""
+    for f in fields(SchedulingSettings):
+        if f.name in skip:
+            continue
+        meta = f.metadata
+        default = f.default
+        assert default is not MISSING
+        shown = "auto" if default is None else "%(default)s"
+        kw: dict[str, Any] = {"dest": f.name, "default": default,
+                              "help": f"{meta['help']} (default: {shown})"}
+        if meta["switch"]:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            if meta["type"] is not None:
+                kw["type"] = meta["type"]
+            if meta["choices"] is not None:
+                kw["choices"] = list(meta["choices"])
+            if meta["metavar"] is not None:
+                kw["metavar"] = meta["metavar"]
+        p.add_argument(*meta["flags"], **kw)
 
 
 SETTING_NAMES = tuple(f.name for f in fields(SchedulingSettings))

@@ -128,7 +128,7 @@ def phase_metrics(records: list[Any], lo: float, hi: float) -> dict[str, Any]:
     sub = [r for r in records if lo <= r.arrival_s < hi]
     m = compute_metrics(sub, hi - lo)
     tpot_miss = sum(1 for r in sub if (t := r.tpot_s()) is not None and t > r.tbt_slo_s)
-    out = {
+    out: dict[str, Any] = {
         "requests": m.requests,
         "ttft": m.ttft_attainment, "tbt": m.tbt_attainment, "tpot": m.tpot_attainment,
         "joint": m.good_requests / m.requests if m.requests else math.nan,  # TTFT & TPOT

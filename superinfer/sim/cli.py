@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from common.scheduling import SETTING_NAMES, SchedulingSettings
+from common.scheduling import SETTING_NAMES, add_setting_flags
 from superinfer.argtypes import rates
 from superinfer.sim.cost import LAYOUTS
 from superinfer.sim.engine import (
@@ -128,7 +128,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="heterogeneous SLOs: 'mixed' (interactive 1 s/50 ms and batch "
                         "20 s/500 ms, half each) or name=TTFT:TBT:SHARE,... in seconds; each "
                         "request carries its class's SLOs")
-    SchedulingSettings.add_arguments(s, skip=("policy",))
+    add_setting_flags(s, skip=("policy",))
     t = p.add_argument_group("transfers (DuplexKV)")
     t.add_argument("--eager-budget-blocks", type=_budget, default=AUTO,
                    help="eager D2H copies per iteration: a count, 0 (off) or 'auto' (what the "

@@ -243,7 +243,7 @@ class PolicyVariant:
                 elif kind == "optional_float":
                     conv = optional_float(value)
                 else:
-                    conv = kind(value)  # type: ignore[operator]
+                    conv = kind(value)
             except ValueError:
                 raise SimulationError(f"bad value {value!r} for {key} in {spec!r}") from None
             overrides.append((f"{where}.{attr}" if where else attr, conv))
