@@ -126,7 +126,9 @@ class EngineCore:
         self.timer = timer
         self.pipeline = pipeline
         # B_xfer "auto" (--xfer-budget-blocks): from the copies' measured rate.
-        self._link = LinkRate() if auto_xfer_budget else None
+        cfg = scheduler.config
+        self._link = (LinkRate(floor=-(-cfg.max_model_len // cfg.block_size))
+                      if auto_xfer_budget else None)
         self.stats = EngineStats()
         self._batch: _Batch | None = None  # pipelined: the batch in flight
         self._after: _Copies | None = None  # pipelined: eager and after-batch copies in flight

@@ -170,6 +170,11 @@ def test_xfer_budget_auto_is_what_the_measured_link_moves_in_50_ms() -> None:
         link.result = TransferResult(d2h_s=0.01)
         asyncio.run(c._copy(out200))
         assert sched.policy.limits.xfer_budget_blocks is None, policy
+    # Never under one request at the longest context: 64 blocks here (1,024 tokens).
+    c, sched, link = core("lvf", auto=True)
+    link.result = TransferResult(d2h_s=0.5)  # 400 blocks/s: 20 in 50 ms
+    asyncio.run(c._copy(out200))
+    assert sched.config.max_model_len == 1024 and sched.policy.limits.xfer_budget_blocks == 64
     rate = LinkRate(smoothing=0.5)
     rate.observe(out200, TransferResult(d2h_s=0.01))
     rate.observe(out200, TransferResult(d2h_s=0.02))  # 10,000/s: the mean moves halfway

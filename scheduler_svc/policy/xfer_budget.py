@@ -7,7 +7,12 @@ each direction from the transfer engine's own busy times (its `TransferResult`),
 budget is what the slower direction moves in `XFER_WINDOW_S`. With a GH200 and
 Qwen2.5-32B's 4 MiB blocks at 175 GB/s that is ~2,090 blocks, near the paper's 2,400; the
 simulator computes the same rule from its link profile. Until a copy has been measured
-the budget is unlimited (the first rotations are not held back by a guess).
+the budget is unlimited (the first rotations are not held back by a guess), and it is
+never less than one request at the longest context needs (`floor`): a budget under that
+would take several iterations to bring one request back, and on a loaded CPU, where the
+copies share the cores with the batch, the measured rate sank that low (the real stack at
+2x: TTFT 100 -> 97 %, p99 TTFT 8 -> 87 s against an unlimited budget;
+docs/results/rotasched/).
 """
 
 from __future__ import annotations
@@ -20,14 +25,15 @@ XFER_WINDOW_S = 0.05
 MIN_MEASURED_S = 0.002
 
 
-def xfer_budget(blocks_per_s: float, window_s: float = XFER_WINDOW_S) -> int:
-    return max(1, int(blocks_per_s * window_s))
+def xfer_budget(blocks_per_s: float, floor: int = 1, window_s: float = XFER_WINDOW_S) -> int:
+    return max(1, floor, int(blocks_per_s * window_s))
 
 
 class LinkRate:
     """A moving mean of the blocks per second each copy direction sustains."""
 
-    def __init__(self, smoothing: float = 0.8) -> None:
+    def __init__(self, floor: int = 1, smoothing: float = 0.8) -> None:
+        self.floor = floor  # blocks of one request at the longest context
         self._smoothing = smoothing
         self._rate: dict[str, float] = {}
 
@@ -46,4 +52,4 @@ class LinkRate:
         """B_xfer from the slower direction measured so far (None: nothing measured)."""
         if not self._rate:
             return None
-        return xfer_budget(min(self._rate.values()))
+        return xfer_budget(min(self._rate.values()), self.floor)

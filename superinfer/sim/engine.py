@@ -299,12 +299,16 @@ class Simulator:
             cfg.host_blocks if cfg.host_blocks is not None
             else int(hw.host_kv_bytes // self.block_bytes)
         )
+        # The longest context a request may have (SchedulerConfig caps it by the pool too).
+        self.context_len = min(cfg.max_model_len or model.max_model_len, model.max_model_len,
+                               self.device_blocks * cfg.block_size)
         self.exec_model = ExecutionCostModel(hw, model)
         self.xfer_model = TransferCostModel(hw, model, cfg.block_size, cfg.layout, cfg.duplex)
         block_bw = hw.link.d2h(self.block_bytes)
         self.xfer_budget: int | None
         if cfg.xfer_budget_blocks is None:  # auto: the serve rule, from the link profile
-            self.xfer_budget = xfer_budget(block_bw / self.block_bytes)
+            self.xfer_budget = xfer_budget(block_bw / self.block_bytes,
+                                           floor=-(-self.context_len // cfg.block_size))
         elif cfg.xfer_budget_blocks == UNLIMITED:
             self.xfer_budget = None
         else:
