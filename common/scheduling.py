@@ -6,11 +6,11 @@
 --help`, `superinfer sim --help` and docs/cli.md (generated from the parser) say the same
 thing. Names follow vLLM where the meaning is the same.
 
-Everything else the scheduler does is a rule, a number computed from these settings and
-what the engine measures, or adapted online (docs/rotasched.md lists each with the
-measurement behind it). The policy's own constants live in `scheduler_svc/policy/`
-(`VLTParams`, `RotationLimits`) and have no command-line flag: the experiments folder
-varies them for what-if studies through the simulator's policy specs.
+Everything else the scheduler does is a rule or a number computed from these settings and
+what the engine measures (docs/rotasched.md lists each with the measurement behind it).
+The policy's own constants live in `scheduler_svc/policy/` (`VLTParams`,
+`RotationLimits`) and have no command-line flag: the experiments folder varies them, through
+the simulator's policy specs and `experiments/rules_scheduler.py`.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class SchedulingSettings:
         None, "--xfer-budget-blocks", type=block_budget, metavar="N|auto",
         help="B_xfer, KV blocks rotated between device and host per iteration: a count, or "
              "auto (what the link moves one way in 50 ms, from the transfer engine's "
-             "measured rate)")
+             "measured rate, and at least one request at the longest context)")
     enable_prefix_caching: bool = _setting(
         True, "--enable-prefix-caching", switch=True,
         help="reuse the KV of cached prompt prefixes, from device memory or (eager host "
