@@ -43,6 +43,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -429,12 +430,19 @@ def _terminate(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds: the bench client is killed, the stack stopped
 
 
-def run(args: argparse.Namespace) -> int:
+def stopping_on_sigterm(body: Callable[[argparse.Namespace], int],
+                        args: argparse.Namespace) -> int:
+    """`body(args)` with SIGTERM turned into SystemExit, so that its `finally` blocks stop
+    the stacks and clients it started (a study killed from outside leaves no process)."""
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        return _run(args)
+        return body(args)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def run(args: argparse.Namespace) -> int:
+    return stopping_on_sigterm(_run, args)
 
 
 def _run(args: argparse.Namespace) -> int:

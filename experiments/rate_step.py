@@ -25,7 +25,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +203,21 @@ def pct(x: float) -> str:
     return "  -  " if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:5.1f}"
 
 
+def _label(param: str, value: str) -> str:
+    """A run's label: "default" for the default value, else PARAM=VALUE."""
+    return "default" if value == DEFAULTS[param] else f"{param}={value}"
+
+
+def _runs(by: dict[tuple[str, int], dict[str, Any]], param: str, vals: list[str],
+          seeds: list[int]) -> Iterator[tuple[str, int, dict[str, Any]]]:
+    """(value, seed, run) of `param`'s runs that exist, value by value."""
+    for v in vals:
+        for s in seeds:
+            r = by.get((_label(param, v), s))
+            if r is not None:
+                yield v, s, r
+
+
 def summarize(results: list[dict[str, Any]], params: list[str], seeds: list[int]) -> str:
     by = {(r["label"], r["seed"]): r for r in results}
     lines = []
@@ -217,51 +232,40 @@ def summarize(results: list[dict[str, Any]], params: list[str], seeds: list[int]
         lines += ["", f"## {p}", "",
                   "| value | seed | P1 (1x) | P2 (2x) | P3 (1x) | gp P1/P2/P3 | I joint P1/P2/P3 |"
                   " wall s |", "|---|---|---|---|---|---|---|---|"]
-        for v in vals:
-            label = "default" if v == DEFAULTS[p] else f"{p}={v}"
-            for s in seeds:
-                r = by.get((label, s))
-                if r is None:
-                    continue
-                ph = r["per_phase"]
-                cells = [" / ".join(pct(x[k]).strip() for k in ("ttft", "tbt", "tpot", "joint"))
-                         for x in ph]
-                gp = "/".join(f"{x['goodput_rps']:.2f}" for x in ph)
-                ij = "/".join(pct(x["per_class"].get("interactive", {}).get("joint")).strip()
-                              for x in ph)
-                lines.append(f"| {v}{' (def)' if v == DEFAULTS[p] else ''} | {s} | "
-                             + " | ".join(cells) + f" | {gp} | {ij} | {r['wall_s']:.0f} |")
+        for v, s, r in _runs(by, p, vals, seeds):
+            ph = r["per_phase"]
+            cells = [" / ".join(pct(x[k]).strip() for k in ("ttft", "tbt", "tpot", "joint"))
+                     for x in ph]
+            gp = "/".join(f"{x['goodput_rps']:.2f}" for x in ph)
+            ij = "/".join(pct(x["per_class"].get("interactive", {}).get("joint")).strip()
+                          for x in ph)
+            lines.append(f"| {v}{' (def)' if v == DEFAULTS[p] else ''} | {s} | "
+                         + " | ".join(cells) + f" | {gp} | {ij} | {r['wall_s']:.0f} |")
         lines += ["", "misses and observables (per phase P1/P2/P3): TTFT-missed requests, "
                   "TPOT-missed requests, TBT-missed gaps; mean iteration ms, waiting, parked "
                   "(rotary), parked requests' mean stall s (now - last token); rotations", "",
                   "| value | seed | TTFT miss | TPOT miss | TBT gaps miss | iter ms | waiting "
                   "| parked | parked stall s | rotations |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for v in vals:
-            label = "default" if v == DEFAULTS[p] else f"{p}={v}"
-            for s in seeds:
-                r = by.get((label, s))
-                if r is None:
-                    continue
-                ph, ob = r["per_phase"], r["observables"]
+        for v, s, r in _runs(by, p, vals, seeds):
+            ph, ob = r["per_phase"], r["observables"]
 
-                def j(xs: list[Any], k: str, f: str = "{:.0f}") -> str:
-                    return "/".join(f.format(x.get(k, math.nan)) for x in xs)
+            def j(xs: list[Any], k: str, f: str = "{:.0f}") -> str:
+                return "/".join(f.format(x.get(k, math.nan)) for x in xs)
 
-                lines.append(
-                    f"| {v} | {s} | {j(ph, 'ttft_missed')} | {j(ph, 'tpot_missed')} | "
-                    f"{j(ph, 'tbt_missed_gaps')} | "
-                    + "/".join(f"{1000 * x.get('iter_s', math.nan):.1f}" for x in ob[:3])
-                    + f" | {j(ob[:3], 'waiting')} | {j(ob[:3], 'rotary')} | "
-                    f"{j(ob[:3], 'parked_mean_stall_s', '{:.1f}')} | {j(ph, 'rotations')} |")
+            lines.append(
+                f"| {v} | {s} | {j(ph, 'ttft_missed')} | {j(ph, 'tpot_missed')} | "
+                f"{j(ph, 'tbt_missed_gaps')} | "
+                + "/".join(f"{1000 * x.get('iter_s', math.nan):.1f}" for x in ob[:3])
+                + f" | {j(ob[:3], 'waiting')} | {j(ob[:3], 'rotary')} | "
+                f"{j(ob[:3], 'parked_mean_stall_s', '{:.1f}')} | {j(ph, 'rotations')} |")
         for s in seeds:
             best = []
             for i in range(3):
                 scored = []
                 for v in vals:
-                    label = "default" if v == DEFAULTS[p] else f"{p}={v}"
-                    r = by.get((label, s))
-                    if r:
-                        scored.append((100 * r["per_phase"][i]["joint"], v))
+                    run_ = by.get((_label(p, v), s))
+                    if run_:
+                        scored.append((100 * run_["per_phase"][i]["joint"], v))
                 if scored:
                     top = max(g for g, _ in scored)
                     best.append(f"P{i + 1}: " + ",".join(v for g, v in scored if g >= top - 0.5)

@@ -49,7 +49,6 @@ import json
 import math
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -364,16 +363,10 @@ def source_state() -> dict[str, Any]:
             "diff_sha256": None if not diff else hashlib.sha256(diff.encode()).hexdigest()[:16]}
 
 
-def _terminate(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)  # unwinds: the client is killed, the stack stopped
-
-
 def run(args: argparse.Namespace) -> int:
-    previous = signal.signal(signal.SIGTERM, _terminate)
-    try:
-        return _run(args)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    from experiments.policies import stopping_on_sigterm
+
+    return stopping_on_sigterm(_run, args)
 
 
 def _run(args: argparse.Namespace) -> int:
