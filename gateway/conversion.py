@@ -72,11 +72,14 @@ class InternalRequest:
     stop: tuple[str, ...] = ()
     n: int = 1  # choices the scheduler generates (best_of's candidates included)
     prompt_text: str = ""  # what a completion's echo repeats
+    priority: int = 0  # as asked; the tenant bounds it (gateway/tenants.py)
+    tenant: str = ""  # set once the request's tenant is known
 
     def scheduler_request(self, request_id: str) -> scheduler_pb2.GenerateRequest:
         return scheduler_pb2.GenerateRequest(
             request_id=request_id, prompt_token_ids=self.prompt_ids, sampling=self.sampling,
-            slo=self.slo, n=self.n if self.n > 1 else 0,
+            slo=self.slo, n=self.n if self.n > 1 else 0, priority=self.priority,
+            tenant=self.tenant,
         )
 
 
@@ -222,7 +225,8 @@ def _from_body(body: SamplingRequest, model: ModelState, ids: list[int], max_tok
         vocab_size=model.vocab_size, defaults=model.defaults,
     )
     return InternalRequest(prompt_ids=ids, sampling=sampling, slo=slo(body.slo),
-                           stop=body.stop_strings, n=choices, prompt_text=prompt_text)
+                           stop=body.stop_strings, n=choices, prompt_text=prompt_text,
+                           priority=body.priority)
 
 
 def _size(prompt: Any) -> int:
@@ -285,7 +289,8 @@ async def from_client(message: client_pb2.ClientGenerateRequest, model: ModelSta
     if message.slo.ttft_s < 0 or message.slo.tbt_s < 0:
         raise invalid("SLOs must be >= 0 seconds (0: server default)", "slo")
     return InternalRequest(prompt_ids=ids, sampling=sampling, slo=message.slo,
-                           stop=tuple(message.stop), n=message.n or 1)
+                           stop=tuple(message.stop), n=message.n or 1,
+                           priority=message.priority)
 
 
 # -- prompt token ids ----------------------------------------------------------------------

@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 INT32_MAX = 2**31 - 1
+INT32_MIN = -(2**31)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 16
 # Each token checks every stop string's prefixes against the text's end (O(length^2)):
@@ -88,6 +89,8 @@ class SamplingRequest(_Request):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=2)  # vLLM's extra
+    # vLLM's extra: lower is served first; a tenant's requests are bounded by its own.
+    priority: int = Field(0, ge=INT32_MIN, le=INT32_MAX)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
     response_format: ResponseFormat | None = None
     # vLLM's structured-output extras.

@@ -118,6 +118,10 @@ class Request:
     slo: SLO = field(default_factory=SLO)
     eos_token_ids: tuple[int, ...] = ()
     max_model_len: int = 1 << 30
+    # vLLM's request priority: lower is served first (policy/priority.py); the gateway
+    # bounds it by the tenant's own.
+    priority: int = 0
+    tenant: str = ""  # from the API key ("": no tenants file); labels per-tenant statistics
 
     output_token_ids: list[int] = field(default_factory=list)
     # KV of tokens [0, num_computed_tokens) is in the cache (device, or host when rotary),

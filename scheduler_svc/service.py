@@ -290,6 +290,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             slo=SLO(ttft, tbt),
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.info.max_model_len,
+            priority=m.priority,
+            tenant=m.tenant,
         )
 
     async def Abort(
