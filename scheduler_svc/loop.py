@@ -38,8 +38,9 @@ from common.contracts import (
 from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.interfaces import SchedulerInterface
 from scheduler_svc.remote import RemoteKVMem, RemoteWorker
-from scheduler_svc.request import Request
+from scheduler_svc.request import FinishReason, Request
 from scheduler_svc.scheduler import RequestEvent
+from scheduler_svc.scheduler_config import tenant_key
 from scheduler_svc.setup import model_identity
 from scheduler_svc.slo_attribution import MissHistograms
 from scheduler_svc.trace import Trace
@@ -96,6 +97,19 @@ class _Route:
 
 
 @dataclass(slots=True)
+class SLOCounts:
+    """One tenant's SLO attainment (DESIGN 8) and goodput, on the scheduler's clock."""
+
+    slo_ttft_met: int = 0  # finished requests whose first token came within S_B
+    slo_ttft_missed: int = 0  # ... after it, or none came before S_B ran out
+    slo_tbt_met: int = 0  # gaps between consecutive tokens within the request's S_F
+    slo_tbt_missed: int = 0
+    # Goodput, vLLM's test (bench --goodput; superinfer/slo_metrics.py meets_slo_vllm):
+    # requests that ended by stop or length with TTFT <= S_B and TPOT <= S_F.
+    slo_good: int = 0
+
+
+@dataclass(slots=True)
 class LoopStats:
     """Outages and recoveries; what the steps cost is the core's (EngineStats)."""
 
@@ -106,43 +120,53 @@ class LoopStats:
     resumed_swap_in: int = 0  # requests resumed from host copies after a loss
     resumed_recompute: int = 0  # requests that recompute all their tokens after a loss
     last_outage_s: float = 0.0  # failed iteration -> peers back and state repaired
-    # SLO attainment (DESIGN 8) against each request's own SLOs, on the scheduler's clock.
-    slo_ttft_met: int = 0  # finished requests whose first token came within S_B
-    slo_ttft_missed: int = 0  # ... after it, or none came before S_B ran out
-    slo_tbt_met: int = 0  # gaps between consecutive tokens within the request's S_F
-    slo_tbt_missed: int = 0
     started: float = field(default_factory=time.monotonic)
+    # SLO attainment against each request's own SLOs, per tenant ("" without a tenants
+    # file, always exported so that its series exist from the first scrape).
+    slo: dict[str, SLOCounts] = field(default_factory=lambda: {"": SLOCounts()})
     # Where the missed TTFTs and gaps spent their time (slo_attribution.py).
     slo_miss: MissHistograms = field(default_factory=MissHistograms)
 
     def as_dict(self) -> dict[str, float]:
         d = {f.name: float(getattr(self, f.name)) for f in fields(self)
-             if f.name not in ("started", "slo_miss")}
+             if f.name not in ("started", "slo", "slo_miss")}
         d["uptime_s"] = time.monotonic() - self.started
+        for tenant, counts in self.slo.items():
+            d.update({tenant_key(f.name, tenant): float(getattr(counts, f.name))
+                      for f in fields(counts)})
         d.update(self.slo_miss.as_dict())
         return d
 
-    def count_slo(self, req: Request, now: float) -> None:
-        """Add a finished request to the SLO counters.
+    def count_slo(self, req: Request, now: float, completed: bool | None = None) -> None:
+        """Add a finished request to its tenant's SLO counters; `completed`: it ended by
+        stop or length (None: as its finish reason says).
 
         A request that ended before its first token counts as a TTFT miss only once its
         budget had run out: a client that gives up after 0.1 s says nothing about S_B.
         """
+        c = self.slo.get(req.tenant)
+        if c is None:
+            c = self.slo[req.tenant] = SLOCounts()
         missed = False
         if req.first_token_time is not None:
             if req.first_token_time - req.arrival_time <= req.slo.ttft_s:
-                self.slo_ttft_met += 1
+                c.slo_ttft_met += 1
             else:
-                self.slo_ttft_missed += 1
+                c.slo_ttft_missed += 1
                 missed = True
         elif now - req.arrival_time > req.slo.ttft_s:
-            self.slo_ttft_missed += 1
+            c.slo_ttft_missed += 1
             missed = True
         self.slo_miss.observe(req, missed, now)
         t = req.token_times
         gaps = sum(1 for a, b in zip(t, t[1:], strict=False) if b - a > req.slo.tbt_s)
-        self.slo_tbt_missed += gaps
-        self.slo_tbt_met += max(len(t) - 1, 0) - gaps
+        c.slo_tbt_missed += gaps
+        c.slo_tbt_met += max(len(t) - 1, 0) - gaps
+        if completed is None:
+            completed = req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+        if completed and req.first_token_time is not None and not missed:
+            tpot = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else 0.0
+            c.slo_good += tpot <= req.slo.tbt_s
 
 
 @dataclass(slots=True)
@@ -349,10 +373,11 @@ class ServingLoop:
                prompt_logprobs: list[TokenLogprob] | None = None) -> None:
         why = reason or (req.finish_reason.value if req.finish_reason else "abort")
         summary = req.summary(now)
-        self.stats.count_slo(req, now)
+        self.stats.count_slo(req, now, completed=why in ("stop", "length"))
         if self.trace is not None:
             self.trace.request_done(req, now)
-        log.info("finish", finish_reason=why, **summary)
+        log.info("finish", finish_reason=why, **({"tenant": req.tenant} if req.tenant else {}),
+                 **summary)
         self._send(req.request_id,
                    StreamEvent(tokens, req.num_output_tokens, why, summary, error,
                                logprobs=logprobs, prompt_logprobs=prompt_logprobs,

@@ -31,6 +31,7 @@ from scheduler_svc.policy.iteration_cost import (
     tokens_within,
 )
 from scheduler_svc.policy.merge import merge
+from scheduler_svc.policy.priority import classes_first, order_key
 from scheduler_svc.policy.running import schedule_running
 from scheduler_svc.policy.state import Plan, RotationInputs
 from scheduler_svc.prefix_cache import PrefixHit
@@ -71,10 +72,11 @@ class Scheduler(RecoveryMixin):
                                model_id=config.model_id)
         self.requests: dict[str, Request] = {}
         # Each queue keeps the policy's groups sorted, so an iteration merges them lazily
-        # instead of sorting every live request (policy/base.py).
-        self.waiting = RequestQueue(lambda r: policy.order_key(r, False))
+        # instead of sorting every live request (policy/base.py); a group per priority
+        # class (policy/priority.py).
+        self.waiting = RequestQueue(lambda r: order_key(policy, r, False))
         self.running = RequestQueue(policy.running_key if policy.static_running_order else None)
-        self.rotary = RequestQueue(lambda r: policy.order_key(r, True))
+        self.rotary = RequestQueue(lambda r: order_key(policy, r, True))
         self.iteration = 0
         self.stats = SchedulerStats()
         self.finished_log: list[Request] = []  # finished requests not yet collected
@@ -249,6 +251,7 @@ class Scheduler(RecoveryMixin):
                                 plan.now))
         else:
             order = self.policy.running_order(self.running.list(), plan.now)
+        order = classes_first(order)  # victims from the least urgent class first
         schedule_running(self, order, plan)
         admit_candidates(self, order, plan, fcfs_mode)
         if self.policy.uses_host_pool and self.config.eager_budget_blocks and self.bm.num_host_blocks:
@@ -370,7 +373,7 @@ class Scheduler(RecoveryMixin):
         if moved is not None:
             copied, freed = moved
             plan.xfer_used += copied
-            self.stats.rotations += 1
+            self.stats.rotated(victim.tenant)
             self.stats.freed_without_copy += freed
             victim.num_rotations += 1
             victim.set_state(RequestState.ROTARY, plan.now)

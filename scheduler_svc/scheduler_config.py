@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 
 from common.contracts import TokenLogprob
 from scheduler_svc.request import FinishReason
@@ -10,6 +10,13 @@ from scheduler_svc.request import FinishReason
 # Eager D2H copies of full blocks per iteration in `serve` (DuplexKV; 0: off). The
 # simulator sizes its own to the simulated link (superinfer/sim/engine.py).
 EAGER_BLOCKS = 32
+
+
+def tenant_key(key: str, tenant: str) -> str:
+    """GetStats' key of a per-tenant statistic: the plain key for tenant "" (no tenants
+    file), ``<key>@<tenant>`` for a named one; the gateway exports it with the label
+    tenant="<tenant>" (tenant names never hold "@": common/tenants.py NAME_RE)."""
+    return f"{key}@{tenant}" if tenant else key
 
 
 @dataclass(slots=True)
@@ -47,7 +54,7 @@ class SchedulerConfig:
 @dataclass(slots=True)
 class SchedulerStats:
     iterations: int = 0
-    rotations: int = 0  # rotate-outs to the host pool
+    rotations: int = 0  # rotate-outs to the host pool, of every tenant
     swap_in_blocks: int = 0
     swap_out_blocks: int = 0
     eager_blocks: int = 0
@@ -74,9 +81,26 @@ class SchedulerStats:
     aborted: int = 0
     decision_s_total: float = 0.0
     decision_s_max: float = 0.0
+    # The rotations of each named tenant (the rest are tenant ""'s): for GetStats' export.
+    tenant_rotations: dict[str, int] = field(default_factory=dict)
+
+    def rotated(self, tenant: str) -> None:
+        self.rotations += 1
+        if tenant:
+            self.tenant_rotations[tenant] = self.tenant_rotations.get(tenant, 0) + 1
 
     def as_dict(self) -> dict[str, float | int]:
-        return asdict(self)
+        """The totals, over every tenant."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "tenant_rotations"}
+
+    def counters(self) -> dict[str, float]:
+        """As GetStats sends them: a named tenant's rotations under `tenant_key`, and
+        tenant ""'s under the plain key, so that the keys sum to the total."""
+        d = {k: float(v) for k, v in self.as_dict().items()}
+        d["rotations"] -= sum(self.tenant_rotations.values())
+        d.update({tenant_key("rotations", t): float(n) for t, n in self.tenant_rotations.items()})
+        return d
 
 
 @dataclass(slots=True)

@@ -308,8 +308,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     ) -> scheduler_pb2.StatsReply:
         loop = await self._serving(context)
         s = loop.scheduler
-        counters = {k: float(v) for k, v in s.stats.as_dict().items()
-                    if isinstance(v, int | float)}
+        counters = s.stats.counters()
         counters.update(loop.stats_dict())
         now = s.load()
         return scheduler_pb2.StatsReply(

@@ -5,7 +5,9 @@ The walk goes down the policy's candidates and seats each one that fits the free
 or that preempting victims makes fit (policy/victims.py), within the token budget, the
 seats and B_xfer. A candidate that cannot be served is skipped (unless the policy stops
 there); once nobody may be preempted, only the free blocks serve and the walk skips the
-candidates too large for them without looking at each.
+candidates too large for them without looking at each. Candidates come by priority class
+(policy/priority.py): the walk ends at a less urgent class where it passed over one of a
+more urgent class.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import math
 from collections.abc import Iterable, Sequence
 
 from scheduler_svc.policy.base import Unservable, deadline_order
-from scheduler_svc.policy.merge import merge
+from scheduler_svc.policy.priority import classes_first, may_displace, merged
 from scheduler_svc.policy.rotation import rotation_needed
 from scheduler_svc.policy.state import Plan, SchedulingState, first_running
 from scheduler_svc.policy.victims import pick_victims, room
@@ -30,10 +32,10 @@ def admit(state: SchedulingState, order: Sequence[Request], plan: Plan,
         return  # nothing to admit, or no token left to give: skip ordering everyone
     queue: Iterable[Request]
     if fcfs_mode:
-        queue = deadline_order(state.rotary.list() + state.waiting.list())
+        queue = classes_first(deadline_order(state.rotary.list() + state.waiting.list()))
     else:
         runs = policy.candidate_runs(state.waiting.groups() + state.rotary.groups(), plan.now)
-        queue = merge(runs, policy.merge_key, plan.now)
+        queue = merged(runs, policy.merge_key, plan.now)
     rotate = not fcfs_mode
     hold: frozenset[str] = frozenset()  # parked ones that go first (rotation_needed)
     parked_within: float | None = None  # a parked one preempts only under this slack
@@ -63,9 +65,18 @@ def admit(state: SchedulingState, order: Sequence[Request], plan: Plan,
     # take (early_fits; None: not worked out since the last admission or preemption).
     fits_early: int | None = None
     tables = bm.tables
+    # The priority class walked, and how many of the candidates looked at were seated: a
+    # less urgent class gets nothing once one of a more urgent class was passed over.
+    walked: int | None = None
+    looked = seated = 0
     for q in queue:
         if q.fork_of is not None:
             continue  # one of n choices, waiting for its leader's prompt blocks
+        if q.priority != walked:
+            if looked > seated:
+                break
+            walked = q.priority
+        looked += 1
         if free_only:
             # Fast skip: it needs blocks_for(min(num_tokens, computed + budget)) > room
             # blocks, i.e. both of those over room * block_size tokens (num_tokens inlined).
@@ -151,6 +162,7 @@ def admit(state: SchedulingState, order: Sequence[Request], plan: Plan,
                 or len(state.running) >= state.seat_limit):
             break
         plan.xfer_used += cost
+        seated += 1
         if not state.admit(q, n, plan):
             continue  # its swap-in waits for the batch in flight: it computes next batch
         plan.tokens[q.request_id] = n
@@ -185,7 +197,7 @@ def may_preempt_for(state: SchedulingState, q: Request, victims: Sequence[Reques
     """May the first eligible victim be preempted for `q`? When not, no later victim may
     be (they come lowest first), nor for any later candidate (lagging less)."""
     head = first_running(victims, plan)
-    return head < len(victims) and state.policy.may_preempt(victims[head], q, plan.now)
+    return head < len(victims) and may_displace(state.policy, victims[head], q, plan.now)
 
 
 def free_below_least(state: SchedulingState, plan: Plan) -> bool:

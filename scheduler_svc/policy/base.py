@@ -16,6 +16,9 @@ Ordering is split in two so that it stays cheap with thousands of live requests:
 `candidates()` and `running_order()` are the same order computed the plain way (one sort
 over everything): the definition the lazy merge must equal, and what tests call.
 
+A policy orders requests of one priority class: the scheduler applies its orders class by
+class, most urgent first, and decides across classes itself (policy/priority.py).
+
 Admission asks the policy at each decision point (`plain_fcfs`, `may_swap_in`,
 `on_unservable`, `may_preempt`, `swaps_out`): small pure methods of a request and the time,
 so a test can call each with hand-built requests, and the scheduler has no policy flags.

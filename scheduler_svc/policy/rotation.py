@@ -38,7 +38,8 @@ def rotation_needed(s: RotationInputs, queue: Iterator[Request], now: float,
       whose deadline then asked for the next).
     * With `parked_first`, as many parked candidates as the new ones can spare seats for
       (the k-th, with slack s, can wait (s − margin)·rate − k seats more) go ahead of
-      every new one: a parked request that streamed is stalled, a new one has time.
+      every new one of its priority class: a parked request that streamed is stalled, a
+      new one has time.
     * Too few finishes to wait for (LAZY_MIN_FINISHES): every candidate may rotate, a
       parked one only once its slack is under `lazy_margin` of its TTFT SLO; until then it
       comes back into free blocks only where they also hold `growth_room` of the running
@@ -73,7 +74,8 @@ def rotation_needed(s: RotationInputs, queue: Iterator[Request], now: float,
                                 margin * q.slo.ttft_s, growth)
         k += 1
         if q.state is rotary:  # takes a seat before those behind it, triggers no rotation
-            if parked_first:
+            # ... but never ahead of a more urgent priority class (policy/priority.py)
+            if parked_first and q.priority == seen[0].priority:
                 parked.append(q)
         else:
             if len(q.prompt_token_ids) > chunk_tokens > 0:  # (most prompts: one batch)

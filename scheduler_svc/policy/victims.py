@@ -1,8 +1,10 @@
 """Victim choice: which running requests to take off the device for a candidate.
 
-Victims come lowest first (the policy's order); nobody is preempted unless the candidate
-then fits, since a rotation that serves nobody only costs transfers, and the blocks moved
-in an iteration stay within B_xfer (`limits.xfer_budget_blocks`).
+Victims come lowest first (the policy's order, the least urgent priority class first:
+policy/priority.py, which also says who may displace whom across classes); nobody is
+preempted unless the candidate then fits, since a rotation that serves nobody only costs
+transfers, and the blocks moved in an iteration stay within B_xfer
+(`limits.xfer_budget_blocks`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+from scheduler_svc.policy.priority import may_displace
 from scheduler_svc.policy.state import Plan, SchedulingState, first_running
 from scheduler_svc.request import Request, RequestState
 
@@ -39,7 +42,7 @@ def pick_victims(state: SchedulingState, q: Request, need: int, rotary: bool, co
             break
         if v.state is not RequestState.RUNNING:
             continue
-        if not policy.may_preempt(v, q, plan.now):
+        if not may_displace(policy, v, q, plan.now):
             break  # victims come lowest first: later ones may not be preempted either
         if not chosen:  # someone may be preempted: would even all of them make room?
             if not plan.victim_bound:
