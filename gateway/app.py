@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,6 +31,8 @@ log = structlog.get_logger()
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
+    """The app `settings` describe; a bad tenants file raises TenantsError (at start, the
+    gateway exits with its message; on SIGHUP, the old file stays in force)."""
     ctx = GatewayContext.create(settings)
 
     @contextlib.asynccontextmanager
@@ -41,10 +44,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             if settings.grpc_port:
                 grpc_server = await grpc_api.start_server(ctx, settings.host, settings.grpc_port)
             warm_up = asyncio.create_task(ctx.backend.warm_up())
+            if ctx.tenants is not None:
+                asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, ctx.tenants.reload)
             log.info("gateway started", scheduler=settings.scheduler_addr,
-                     grpc_port=settings.grpc_port)
+                     grpc_port=settings.grpc_port,
+                     tenants=ctx.tenants.tenants.names if ctx.tenants else None)
             yield
         finally:
+            if ctx.tenants is not None:
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             if warm_up is not None:
                 warm_up.cancel()
             if grpc_server is not None:
@@ -61,6 +69,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.add_middleware(
         RequestContextMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
         in_flight=ctx.in_flight, metrics=ctx.metrics, replica_id=settings.replica_id,
+        tenants=ctx.tenants,
     )
     return app
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -80,9 +80,10 @@ class ActiveRequests:
         if self._by_id.get(gen.request_id) is gen:
             del self._by_id[gen.request_id]
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, tenant: str | None = None) -> bool:
+        """Abort the request `request_id` (of `tenant` only, where given)."""
         gen = self._by_id.get(request_id)
-        if gen is None:
+        if gen is None or (tenant is not None and gen.tenant != tenant):
             return False
         gen.abort()
         return True
@@ -102,8 +103,11 @@ class Generation:
         request: scheduler_pb2.GenerateRequest,
         stop: tuple[str, ...] = (),
         arrival: float | None = None,
+        on_finish: Callable[[int], None] | None = None,
     ) -> None:
+        """`on_finish(completion_tokens)`: called once when the request ends, however."""
         self.request_id = request.request_id
+        self.tenant = request.tenant  # "" without a tenants file: no tenant label
         self.prompt_tokens = len(request.prompt_token_ids)
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (final event)
@@ -123,6 +127,7 @@ class Generation:
         self._aborted = False
         self._started = False
         self._scheduler_done = False  # the scheduler finished it, or was told to
+        self._on_finish = on_finish
 
     @property
     def text(self) -> str:
@@ -231,7 +236,7 @@ class Generation:
         if self._first_token_at is None:
             self._first_token_at = now
             self._metrics.ttft.observe(now - self._arrival)
-            self._metrics.prompt_tokens.inc(self.prompt_tokens)
+            self._metrics.prompt_tokens.inc(self.prompt_tokens, self.tenant)
             n_gaps, gap = n - 1, 0.0
         else:
             n_gaps, gap = n, (now - self._last_token_at) / n
@@ -239,7 +244,7 @@ class Generation:
             self._metrics.itl.observe(gap)
         self._last_token_at = now
         self.completion_tokens += n
-        self._metrics.generation_tokens.inc(n)
+        self._metrics.generation_tokens.inc(n, self.tenant)
 
     def _cleanup(self, outcome: str) -> None:
         if self._submitted is not None:
@@ -249,11 +254,14 @@ class Generation:
                 # blocks now. The stop-string path already sent its own Abort(reason="stop").
                 self._backend.abort_soon(self.request_id, "abort")
         self._active.remove(self)
+        if self._on_finish is not None:
+            self._on_finish(self.completion_tokens)
         self._metrics.requests.labels(outcome).inc()
         e2e = time.monotonic() - self._arrival
         if self.finish_reason is not None:
             self._metrics.e2e.observe(e2e)
         log.info("request finished", request_id=self.request_id, outcome=outcome,
+                 **({"tenant": self.tenant} if self.tenant else {}),
                  prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
                  ttft_s=None if self._first_token_at is None else round(self._first_token_at - self._arrival, 4),
                  e2e_s=round(e2e, 4))

@@ -7,6 +7,7 @@ Proto3 scalars cannot say "not set", so 0 means the default for max_tokens (up t
 context limit) and top_p (1.0); temperature 0 is greedy. With --api-key, every call needs
 ``authorization: Bearer <key>`` metadata (UNAUTHENTICATED otherwise), and Generate takes a
 slot of the gateway's in-flight limit, like a REST request (RESOURCE_EXHAUSTED past it).
+With a tenants file the key names the tenant, whose limits apply as on REST.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from common.tenants import Tenant
 from common.wire import logprobs_to_proto
 from gateway import conversion
 from gateway.context import GatewayContext
@@ -38,17 +40,27 @@ class SuperInferServicer(client_pb2_grpc.SuperInferServicer):
         self, request: client_pb2.ClientGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[client_pb2.ClientGenerateEvent]:
         request_id = request.request_id or _metadata_request_id(context) or new_request_id()
+        gate = self._ctx.tenants
         with structlog.contextvars.bound_contextvars(request_id=request_id):
+            tenant = None
             try:
-                self._authorize(context)
+                tenant = self._authorize(context)
                 self._ctx.in_flight.acquire()
             except APIError as e:
                 self._ctx.metrics.requests.labels("rejected").inc()
                 await _abort(context, e)
                 return
+            if tenant is not None and gate is not None:
+                try:
+                    gate.enter(tenant)
+                except APIError as e:
+                    self._ctx.in_flight.release()
+                    self._ctx.metrics.requests.labels("rejected").inc()
+                    await _abort(context, e)
+                    return
             try:
                 try:
-                    gen = await self._prepare(request, request_id)
+                    gen = await self._prepare(request, request_id, tenant)
                 except APIError as e:
                     self._ctx.metrics.requests.labels("rejected").inc()
                     await _abort(context, e)
@@ -76,31 +88,43 @@ class SuperInferServicer(client_pb2_grpc.SuperInferServicer):
                     await _abort(context, e)
             finally:
                 self._ctx.in_flight.release()
+                if tenant is not None and gate is not None:
+                    gate.leave(tenant)
 
     async def Abort(  # noqa: N802 - gRPC method name
         self, request: client_pb2.ClientAbortRequest, context: grpc.aio.ServicerContext
     ) -> client_pb2.ClientAbortReply:
+        tenant = None
         try:
-            self._authorize(context)
+            tenant = self._authorize(context)
         except APIError as e:
             await _abort(context, e)
-        return client_pb2.ClientAbortReply(found=self._ctx.active.abort(request.request_id))
+        # With tenants, a caller ends only its own tenant's requests.
+        found = self._ctx.active.abort(request.request_id,
+                                       tenant=tenant.name if tenant is not None else None)
+        return client_pb2.ClientAbortReply(found=found)
 
-    def _authorize(self, context: grpc.aio.ServicerContext) -> None:
-        key = self._ctx.settings.api_key
-        if not key:
-            return
+    def _authorize(self, context: grpc.aio.ServicerContext) -> Tenant | None:
+        """The caller's tenant (with a tenants file), else None; raises the 401."""
         given = _metadata(context, "authorization")
-        error = check_api_key(given.encode("latin-1", "replace") if given else None, key.encode())
-        if error is not None:
-            raise error
+        header = given.encode("latin-1", "replace") if given else None
+        if self._ctx.tenants is not None:
+            return self._ctx.tenants.identify(header)
+        key = self._ctx.settings.api_key
+        if key:
+            error = check_api_key(header, key.encode())
+            if error is not None:
+                raise error
+        return None
 
-    async def _prepare(self, request: client_pb2.ClientGenerateRequest, request_id: str) -> Generation:
+    async def _prepare(self, request: client_pb2.ClientGenerateRequest, request_id: str,
+                       tenant: Tenant | None) -> Generation:
         if not valid_request_id(request_id):
             raise invalid("request_id must be 1-128 characters of A-Z a-z 0-9 . _ -", "request_id")
         model = await self._ctx.backend.model()
         req = await conversion.from_client(request, model)
-        return self._ctx.generation(model, req, request_id=request_id, arrival=None)
+        return self._ctx.generation(model, req, request_id=request_id, arrival=None,
+                                    tenant=tenant)
 
 
 def _metadata_request_id(context: grpc.aio.ServicerContext) -> str | None:

@@ -73,8 +73,21 @@ class Series:
 
 def series_key(flat_key: str) -> str:
     """The statistic a GetStats key belongs to: a histogram travels flattened as
-    `<key>:bucket:<le>`, `<key>:sum` and `<key>:count` (scheduler_svc/slo_attribution.py)."""
-    return flat_key.split(":", 1)[0]
+    `<key>:bucket:<le>`, `<key>:sum` and `<key>:count` (scheduler_svc/slo_attribution.py),
+    and a named tenant's count as `<key>@<tenant>`."""
+    return split_tenant(flat_key)[0].split(":", 1)[0]
+
+
+def split_tenant(flat_key: str) -> tuple[str, str]:
+    """(`<key>`, `<tenant>`) of a per-tenant key `<key>@<tenant>`; (key, "") of the rest."""
+    key, _, tenant = flat_key.partition("@")
+    return key, tenant
+
+
+def _with_tenant(labels: Iterable[tuple[str, str]], tenant: str) -> dict[str, str]:
+    """A sample's labels: tenant "" (no tenants file) has no tenant label, which
+    Prometheus reads as tenant="", so `sum()` over a family is still the total."""
+    return {**dict(labels), **({"tenant": tenant} if tenant else {})}
 
 
 def _counter(name: str, help: str, **labels: str) -> Series:
@@ -92,6 +105,8 @@ _LOSSES = "A peer came back with a new pool: tier device = a new worker, host = 
 _RESUMED = "Requests resumed after a pool loss: from host copies (swap_in) or by recompute"
 _TTFT = "Finished requests by whether their first token came within their TTFT SLO"
 _TBT = "Gaps between a request's consecutive tokens by whether they were within its TBT SLO"
+_GOOD = ("Goodput: requests that ended by stop or length with TTFT within their TTFT SLO "
+         "and TPOT (mean gap, first token to last) within their TBT SLO; vLLM's bench --goodput")
 _MISS = ("Seconds each request that missed an SLO spent in each phase of the missed intervals: "
          "slo=ttft its TTFT, slo=tbt its gaps longer than its TBT SLO; phase waiting (queued, "
          "no KV on the device), rotary (parked in host memory), computing (on the device, the "
@@ -173,6 +188,7 @@ SCHEDULER_SERIES: dict[str, Series] = {
     "slo_ttft_missed": _counter("superinfer_slo_ttft_requests", _TTFT, outcome="missed"),
     "slo_tbt_met": _counter("superinfer_slo_tbt_gaps", _TBT, outcome="met"),
     "slo_tbt_missed": _counter("superinfer_slo_tbt_gaps", _TBT, outcome="missed"),
+    "slo_good": _counter("superinfer_slo_good_requests", _GOOD),
     **{f"slo_miss_{slo}_{phase}_s": _miss(slo, phase) for slo in ("ttft", "tbt")
        for phase in _PHASES},
     # outages of the worker or kvmem (DESIGN 6)
@@ -206,13 +222,11 @@ class GatewayMetrics:
         )
         for status in STATUSES:  # export zeros so rate() works from the first scrape
             self.requests.labels(status)
-        self.prompt_tokens = Counter(
-            "superinfer_prompt_tokens", "Prompt tokens of requests that got a first token",
-            registry=r,
-        )
-        self.generation_tokens = Counter(
-            "superinfer_generation_tokens", "Tokens generated", registry=r
-        )
+        self.prompt_tokens = TenantCounter(
+            "superinfer_prompt_tokens", "Prompt tokens of requests that got a first token")
+        r.register(self.prompt_tokens)
+        self.generation_tokens = TenantCounter("superinfer_generation_tokens", "Tokens generated")
+        r.register(self.generation_tokens)
         self.ttft = Histogram(
             "superinfer_time_to_first_token_seconds", "Arrival to first token",
             buckets=TTFT_BUCKETS, registry=r,
@@ -236,6 +250,31 @@ class GatewayMetrics:
         self.scheduler.stats = self.vllm.stats = stats
         self.vllm.model_name = model_name
         return generate_latest(self.registry)
+
+
+class TenantCounter(Collector):
+    """A counter per tenant, exported as the scheduler's per-tenant series are: tenant ""
+    (no tenants file) without the label, a named tenant with tenant="<name>". Tenants
+    come from the tenants file, so the label's values are bounded."""
+
+    def __init__(self, name: str, help: str) -> None:
+        self.name, self.help = name, help
+        self.values: dict[str, float] = {"": 0.0}  # tenant "" from the start, for rate()
+
+    def inc(self, amount: float, tenant: str = "") -> None:
+        if amount < 0:
+            raise ValueError(f"a counter only goes up, got {amount}")
+        self.values[tenant] = self.values.get(tenant, 0.0) + amount
+
+    @property
+    def total(self) -> float:
+        return sum(self.values.values())
+
+    def collect(self) -> Iterator[Metric]:
+        fam = CounterMetricFamily(self.name, self.help)
+        for tenant, value in sorted(self.values.items()):
+            fam.add_sample(self.name + "_total", _with_tenant((), tenant), value)
+        yield fam
 
 
 class SchedulerStatsCollector(Collector):
@@ -282,40 +321,46 @@ def kv_usage(total: int, free: int) -> float:
 
 
 def scheduler_families(counters: dict[str, float]) -> Iterator[Metric]:
-    """StatsReply.counters as typed families; keys this gateway does not know (a newer
-    scheduler) come out untyped rather than guessed."""
-    families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
-    hists: dict[str, HistogramMetricFamily] = {}
-    unknown: list[Metric] = []
-    histograms: dict[str, dict[str, float]] = {}
-    for key in sorted(counters):
+    """StatsReply.counters as typed families, a key `<key>@<tenant>` as `<key>`'s series
+    with the label tenant="<tenant>"; keys this gateway does not know (a newer scheduler)
+    come out untyped rather than guessed."""
+    families: dict[str, Metric] = {}
+    histograms: dict[tuple[str, str], dict[str, float]] = {}
+    for flat in sorted(counters):
+        key, tenant = split_tenant(flat)
         series = SCHEDULER_SERIES.get(series_key(key))
         if series is None:
-            unknown.append(UnknownMetricFamily(
-                _S + _metric_name(key), f"Scheduler statistic {key!r} (unknown to this gateway)",
-                value=counters[key]))
+            name = _S + _metric_name(key)
+            fam = families.get(name)
+            if fam is None:
+                fam = families[name] = UnknownMetricFamily(
+                    name, f"Scheduler statistic {key!r} (unknown to this gateway)")
+            fam.add_sample(name, _with_tenant((), tenant), counters[flat])
             continue
         if series.kind == HISTOGRAM:
-            histograms.setdefault(series_key(key), {})[key.partition(":")[2]] = counters[key]
+            histograms.setdefault((series_key(key), tenant), {})[key.partition(":")[2]] = (
+                counters[flat])
             continue
         fam = families.get(series.name)
         if fam is None:
             cls = CounterMetricFamily if series.kind == COUNTER else GaugeMetricFamily
-            fam = families[series.name] = cls(series.name, series.help,
-                                              labels=[k for k, _ in series.labels])
-        fam.add_metric([v for _, v in series.labels], counters[key])
-    for key, parts in histograms.items():
+            fam = families[series.name] = cls(series.name, series.help)
+        fam.add_sample(series.sample_name, _with_tenant(series.labels, tenant), counters[flat])
+    hists: dict[str, Metric] = {}
+    for (key, tenant), parts in histograms.items():
         series = SCHEDULER_SERIES[key]
-        hist = hists.get(series.name)
-        if hist is None:
-            hist = hists[series.name] = HistogramMetricFamily(
-                series.name, series.help, labels=[k for k, _ in series.labels])
+        labels = _with_tenant(series.labels, tenant)
+        one = HistogramMetricFamily(series.name, series.help, labels=list(labels))
         buckets = sorted(((k.split(":", 1)[1], v) for k, v in parts.items()
                           if k.startswith("bucket:")), key=lambda kv: float(kv[0]))
-        hist.add_metric([v for _, v in series.labels], buckets, parts.get("sum", 0.0))
-    yield from families.values()
+        one.add_metric(list(labels.values()), buckets, parts.get("sum", 0.0))
+        hist = hists.setdefault(series.name, one)
+        if hist is not one:  # several label sets (or tenants) of one family
+            hist.samples.extend(one.samples)
+    known = [f for f in families.values() if not isinstance(f, UnknownMetricFamily)]
+    yield from known
     yield from hists.values()
-    yield from unknown
+    yield from (f for f in families.values() if isinstance(f, UnknownMetricFamily))
 
 
 class VLLMView(Collector):
@@ -372,9 +417,14 @@ class VLLMView(Collector):
                 counter = CounterMetricFamily(name, help, labels=names)
                 counter.add_metric(values, s.counters.get(key, 0.0))
                 yield counter
-        for ours, name, help in [
+        for tokens, name, help in [
             (m.prompt_tokens, "vllm:prompt_tokens", "Number of prefill tokens processed."),
             (m.generation_tokens, "vllm:generation_tokens", "Number of generation tokens processed."),
+        ]:
+            counter = CounterMetricFamily(name, help, labels=names)
+            counter.add_metric(values, tokens.total)  # vLLM has no tenants: all of them
+            yield counter
+        for ours, name, help in [
             (m.ttft, "vllm:time_to_first_token_seconds",
              "Histogram of time to first token in seconds."),
             (m.itl, "vllm:inter_token_latency_seconds",

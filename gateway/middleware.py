@@ -1,4 +1,6 @@
-"""Per-request context: the X-Request-ID, its log binding, and the optional API key.
+"""Per-request context: the X-Request-ID, its log binding, and the optional API key or
+tenant (with a tenants file, the key names the tenant: 401 for none, the tenant's own
+in-flight limit, and its x-ratelimit-* headers on every response; gateway/tenants.py).
 
 It also bounds what a request may cost before any route runs: /v1/* requests take a slot
 of the shared in-flight limit (429 past it) and their body is read here, counted as it
@@ -23,6 +25,7 @@ from gateway.errors import APIError
 from gateway.limits import DEFAULT_MAX_BODY_BYTES, InFlightLimit, body_too_large, read_body
 from gateway.metrics import GatewayMetrics
 from gateway.openai_routes import GENERATION_PATHS
+from gateway.tenants import TenantGate
 
 # A lazy proxy, not get_logger(): a logger bound at import time would keep the default
 # configuration instead of the one configure_logging() installs later.
@@ -55,8 +58,10 @@ class RequestContextMiddleware:
         in_flight: InFlightLimit | None = None,
         metrics: GatewayMetrics | None = None,
         replica_id: str = "",
+        tenants: TenantGate | None = None,
     ) -> None:
         self.app = app
+        self._tenants = tenants
         self._replica = [(REPLICA_HEADER.encode(), replica_id.encode())] if replica_id else []
         self._api_key = api_key.encode() if api_key else None
         self._max_body = max_body_bytes
@@ -81,27 +86,49 @@ class RequestContextMiddleware:
                     param="X-Request-ID", code="invalid_request_id",
                 )
         api = scope["path"].startswith("/v1/") or scope["path"] in _API_PATHS
+        tenant = None
         if error is None and self._api_key and api:
             error = check_api_key(headers.get(b"authorization"), self._api_key)
+        if error is None and self._tenants is not None and api:
+            try:
+                tenant = self._tenants.identify(headers.get(b"authorization"))
+            except APIError as e:
+                error = e
         if error is None:
             error = _check_length(headers.get(b"content-length"), self._max_body)
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
         state["arrival"] = time.monotonic()
+        state["tenant"] = tenant
+        gate = self._tenants
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 message.setdefault("headers", [])
+                extra = []
+                if tenant is not None and gate is not None:
+                    known = {k.lower() for k, _ in message["headers"]}
+                    extra = [(k.encode(), v.encode()) for k, v in gate.headers(tenant).items()
+                             if k.encode() not in known]
                 message["headers"] = [
                     *message["headers"], (REQUEST_ID_HEADER.encode(), request_id.encode()),
-                    *self._replica,
+                    *self._replica, *extra,
                 ]
             await send(message)
 
-        with structlog.contextvars.bound_contextvars(request_id=request_id):
+        bound = {"request_id": request_id} | ({"tenant": tenant.name} if tenant else {})
+        with structlog.contextvars.bound_contextvars(**bound):
+            entered = False
             if error is None and api:
                 try:
                     self._in_flight.acquire()
+                    if tenant is not None and gate is not None:
+                        try:
+                            gate.enter(tenant)
+                            entered = True
+                        except APIError:
+                            self._in_flight.release()
+                            raise
                 except APIError as e:
                     error = e
             if error is not None:
@@ -118,6 +145,8 @@ class RequestContextMiddleware:
             finally:
                 if api:
                     self._in_flight.release()
+                if entered and gate is not None and tenant is not None:
+                    gate.leave(tenant)
 
     async def _reject(self, scope: Scope, error: APIError, send: Send) -> None:
         log.info("request rejected", status=error.status, code=error.code, path=scope["path"])

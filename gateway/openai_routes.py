@@ -77,7 +77,8 @@ async def create_chat_completion(body: s.ChatCompletionRequest, request: Request
 def _generation(ctx: GatewayContext, request: Request, model: ModelState,
                 req: conversion.InternalRequest) -> Generation:
     return ctx.generation(model, req, request_id=request.state.request_id,
-                          arrival=request.state.arrival)
+                          arrival=request.state.arrival,
+                          tenant=getattr(request.state, "tenant", None))
 
 
 async def _respond(request: Request, body: s.SamplingRequest, gen: Generation, fmt: _Format) -> Response:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from common.daemon import PidFile
 from common.logging import configure_logging, get_logger
+from common.tenants import TenantsError
 from gateway.context import GatewaySettings
 from gateway.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_IN_FLIGHT
 
@@ -39,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                    help="require 'Authorization: Bearer KEY' on /v1/* and on the client gRPC "
                         f"API (default: ${API_KEY_ENV}, else no auth)")
+    g.add_argument("--tenants", default=None, metavar="FILE.toml",
+                   help="tenants file: each tenant's hashed API keys, priority, default SLOs "
+                        "and limits (docs/tenants.md); reloaded on SIGHUP. Not with --api-key")
     g.add_argument("--max-in-flight", type=int, default=DEFAULT_MAX_IN_FLIGHT,
                    help="requests handled at once, REST and gRPC together; past it 429 / "
                         "RESOURCE_EXHAUSTED (0: no limit)")
@@ -68,6 +72,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         max_in_flight=args.max_in_flight,
         generation_config=args.generation_config,
         replica_id=args.replica_id or f"{args.host}:{args.port}",
+        tenants_file=args.tenants,
     )
 
 
@@ -93,7 +98,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         log.error("invalid settings", error=str(e))
         return 2
-    if not settings.api_key and not _is_loopback(args.host):
+    if not settings.api_key and not settings.tenants_file and not _is_loopback(args.host):
         log.warning("listening beyond loopback without an API key; anyone who can reach "
                     f"{args.host} can generate. Set ${API_KEY_ENV} to require one", host=args.host)
     pid_file = PidFile(run_dir / "gateway.pid")
@@ -103,7 +108,11 @@ def main(args: argparse.Namespace) -> int:
         log.error("already_running", error=str(e))
         return 1
     try:
-        app = create_app(settings)
+        try:
+            app = create_app(settings)
+        except TenantsError as e:
+            log.error("tenants file refused", error=str(e))
+            return 2
         config = uvicorn.Config(
             app, host=args.host, port=args.port, loop="uvloop", workers=1,
             access_log=False, log_config=None, log_level=args.log_level,

@@ -102,6 +102,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     from superinfer.sim import cli as sim_cli
 
     sim_cli.add_parser(sub)
+    from superinfer import tenants_cli
+
+    tenants_cli.add_parser(sub)
     try:
         from superinfer import services_cli
     except ImportError:  # the services are optional in a partial install

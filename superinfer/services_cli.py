@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -161,6 +162,10 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     g.add_argument("--replica-id", default=None,
                    help="this replica's name for a router: /get_server_info's instance_id and "
                         "every response's X-SuperInfer-Replica header (default: HOST:PORT)")
+    g.add_argument("--tenants", default=None, metavar="FILE.toml", type=_absolute,
+                   help="tenants file: each tenant's hashed API keys, priority, default SLOs "
+                        "and limits (docs/tenants.md); `kill -HUP` serve (or the gateway) "
+                        "reloads it. Not with $SUPERINFER_API_KEY")
     _add_kv_events_flag(p)  # handed to the scheduler by name
     _add_kvmem_flags(p)  # handed to kvmem by name
     s = p.add_argument_group("services (listen on 127.0.0.1)")
@@ -241,6 +246,23 @@ def service_specs(args: argparse.Namespace) -> list[ServiceSpec]:
     return specs
 
 
+def _absolute(path: str) -> str:
+    """A file a child reads: absolute, so that its working directory does not matter."""
+    return str(Path(path).resolve())
+
+
+def check_tenants(path: str) -> None:
+    """A tenants file the gateway would refuse, or one beside a single API key: a
+    ValueError saying what is wrong (the file's line), before anything starts."""
+    from common.tenants import load
+
+    load(path)
+    if os.environ.get("SUPERINFER_API_KEY"):
+        raise ValueError("both --tenants and $SUPERINFER_API_KEY are set; with tenants every "
+                         "key belongs to a tenant: put its hash in the file (`superinfer "
+                         "tenants hash-key`) and unset SUPERINFER_API_KEY")
+
+
 class _Terminate(Exception):
     """SIGTERM, turned into an exception so that serve unwinds like on Ctrl-C."""
 
@@ -291,6 +313,8 @@ def check_serve(args: argparse.Namespace, ports_too: bool = True) -> str | None:
         EngineConfig.from_args(args)  # flag errors here, not in a child's log
         if args.generation_config is not None:
             check_mode(args.generation_config)
+        if args.tenants:
+            check_tenants(args.tenants)  # TenantsError is a ValueError
         ports = serve_ports(args)  # KVEventsConfigError is a ValueError
     except ValueError as e:
         return str(e)
@@ -321,6 +345,9 @@ def _serve(args: argparse.Namespace) -> int:
                      liveness_timeout_s=args.liveness_timeout)
     specs = service_specs(args)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    # SIGHUP reloads the tenants file: the gateway reads it (and keeps the old one when the
+    # new one is bad); without a tenants file it has nothing to reload.
+    signal.signal(signal.SIGHUP, lambda signum, frame: sup.send_signal("gateway", signal.SIGHUP))
     rc = 0
     try:
         print(f"starting {', '.join(spec.name for spec in specs)} …", file=sys.stderr,
@@ -342,6 +369,7 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut cleanup
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
         sup.stop_all()
     return rc
 

@@ -121,6 +121,14 @@ class Supervisor:
             env={**os.environ, SUPERVISOR_ENV: str(os.getpid())},
         )
 
+    def send_signal(self, name: str, signum: int) -> bool:
+        """Pass `signum` to the running child `name` (SIGHUP: reload); False if none runs."""
+        for child in self.children:
+            if child.spec.name == name and child.proc.poll() is None:
+                child.proc.send_signal(signum)
+                return True
+        return False
+
     def start(self, spec: ServiceSpec, timeout_s: float) -> None:
         """Start one service and wait until it is ready; ServiceFailed if it is not."""
         self.start_all([spec], timeout_s)
