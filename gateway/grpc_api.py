@@ -51,6 +51,7 @@ class SuperInferServicer(client_pb2_grpc.SuperInferServicer):
                 await _abort(context, e)
                 return
             if tenant is not None and gate is not None:
+                structlog.contextvars.bind_contextvars(tenant=tenant.name)
                 try:
                     gate.enter(tenant)
                 except APIError as e:

@@ -246,3 +246,29 @@ def test_reload_applies_a_good_file_and_keeps_the_old_one_for_a_bad_one(tmp_path
 
 def test_reset_times_read_as_openai_writes_them() -> None:
     assert [duration(s) for s in (0.0061, 1.5, 59.0, 150.0)] == ["6ms", "1.5s", "59s", "2m30s"]
+
+
+def test_the_supervisor_passes_sighup_to_the_gateway(tmp_path: Path) -> None:
+    """`serve` hands SIGHUP to its gateway child (which reloads its tenants file)."""
+    import signal
+    import time
+
+    from superinfer.supervisor import ServiceSpec, Supervisor
+
+    ready, got = tmp_path / "ready", tmp_path / "got"
+    child = ("import signal, pathlib, time\n"
+             f"signal.signal(signal.SIGHUP, lambda *a: pathlib.Path({str(got)!r}).write_text('hup'))\n"
+             f"pathlib.Path({str(ready)!r}).write_text('up')\n"
+             "time.sleep(60)\n")
+    sup = Supervisor(tmp_path)
+    try:
+        sup.start(ServiceSpec("gateway", [sys.executable, "-c", child],
+                              (ready.exists, lambda: None)), 30)
+        assert not sup.send_signal("worker", signal.SIGHUP)  # no such child
+        assert sup.send_signal("gateway", signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while not got.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert got.read_text() == "hup"
+    finally:
+        sup.stop_all()

@@ -279,3 +279,33 @@ def test_a_bad_tenants_file_stops_serve_and_the_gateway_at_start(tmp_path: Path)
                                "--run-dir", str(tmp_path / "k")], capture_output=True, text=True,
                               timeout=120, env={**env, "SUPERINFER_API_KEY": "k"})
     assert with_key.returncode == 2 and "SUPERINFER_API_KEY" in with_key.stderr
+
+
+def test_bench_serve_reports_each_tenant_as_the_server_counted_it(stack: Stack,
+                                                                  tmp_path: Path) -> None:
+    """Two tenants through `bench serve --tenant`: a row each, and the counts it measured
+    from its own side equal the server's tenant-labelled /metrics (within one request)."""
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "KEY_OPS": KEYS["ops"], "KEY_BULK": KEYS["bulk"]}
+    run = subprocess.run(
+        [sys.executable, "-m", "superinfer.cli", "bench", "serve", "--base-url", f"{stack.url}/v1",
+         "--dataset", "sharegpt", "--no-progress", "--json", str(out),
+         "--tenant", "name=ops,key-env=KEY_OPS,rps=4,num-prompts=5,max-prompt-len=24,"
+                     "max-output-len=8,ttft-slo=0.5,tbt-slo=0.5",
+         "--tenant", "name=bulk,key-env=KEY_BULK,rps=4,num-prompts=5,max-prompt-len=48,"
+                     "max-output-len=8,ttft-slo=60,tbt-slo=5"],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    assert KEYS["ops"] not in out.read_text()  # the keys stay out of the result file
+    rows = {r["tenant"]: r for r in json.loads(out.read_text())["tenants"]}
+    assert set(rows) == {"ops", "bulk"}
+    for name, r in rows.items():
+        bench, server = r["counts"]["bench"], r["counts"]["server"]
+        assert server is not None, f"no tenant={name} series on /metrics"
+        assert bench["ttft_met"] + bench["ttft_missed"] == 5 == server["ttft_met"] + server["ttft_missed"]
+        assert abs(bench["ttft_met"] - server["ttft_met"]) <= 1, (name, bench, server)
+        assert abs(bench["good"] - server["good"]) <= 1, (name, bench, server)
+        assert r["agree"] is True
+        assert next(line for line in run.stdout.splitlines() if line.strip().startswith(name))
+    # The loose SLOs are met in full on both sides; the tight ones need not be.
+    assert rows["bulk"]["counts"]["server"]["ttft_met"] == 5

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -34,6 +35,7 @@ from superinfer.bench.serve.runner import (
 )
 from superinfer.bench.serve.stream import StreamOutcome
 from superinfer.bench.serve.summary import format_pass, format_sweep, result_row
+from superinfer.bench.serve.tenants import TENANT_HELP, parse_tenant, run_tenants
 from superinfer.workload import (
     SYNTHETIC,
     WorkloadSpec,
@@ -108,6 +110,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "C = requests / TURNS), and each turn's prompt is the conversation so "
                         "far, the server's replies included; a turn is sent at its arrival or "
                         "--think-time after the previous reply, whichever is later")
+    w.add_argument("--tenant", action="append", default=None, metavar="SPEC", help=TENANT_HELP)
     w.add_argument("--think-time", type=float, default=0.0, metavar="S",
                    help="multi-turn: seconds between a reply and the next turn")
     b = p.add_argument_group(
@@ -242,6 +245,33 @@ def _finite(v: Any) -> Any:
     return v
 
 
+def _run_tenants(args: argparse.Namespace) -> int:
+    loads = [parse_tenant(t, args) for t in args.tenant]
+    if args.sweep_rps or args.multi_turn > 1 or args.baseline_url:
+        raise BenchError("--tenant runs one pass of each tenant's own rate: not with "
+                         "--sweep-rps, --multi-turn or --baseline-url")
+    models = asyncio.run(probe(Target(args.base_url, args.endpoint, loads[0].key, args.timeout)))
+    model = args.model or (models[0] if models else None)
+    if model is None:
+        raise BenchError(f"{args.base_url}/models lists no model; pass --model")
+    tok, tok_name = _tokenizer(args.tokenizer, model)
+    murl = None if args.metrics_url == "none" else (args.metrics_url or metrics_url(args.base_url))
+    rows = run_tenants(args, loads, model, tok, murl)
+    if args.json:
+        config = {"base_url": args.base_url, "model": model, "endpoint": args.endpoint,
+                  "dataset": args.dataset, "tokenizer": tok_name, "seed": args.seed,
+                  # Never the keys: a result file gets shared.
+                  "tenants": [{k: v for k, v in dataclasses.asdict(t).items() if k != "key"}
+                              for t in loads]}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(_finite({"config": config, "tenants": rows}),
+                                              indent=1, allow_nan=False))
+        print(f"wrote {args.json}")
+    if all(r["completed"] == 0 for r in rows):
+        return _die("every request of every tenant failed")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
@@ -260,6 +290,8 @@ def _run(args: argparse.Namespace) -> int:
         tok, _ = _tokenizer(args.tokenizer, args.model or (models[0] if models else ""))
         return run_baseline(args, tok)
     _check(args)
+    if args.tenant:
+        return _run_tenants(args)
     target = Target(args.base_url, args.endpoint, args.api_key, args.timeout, args.max_concurrency)
     models = asyncio.run(probe(target))
     model = args.model or (models[0] if models else None)
