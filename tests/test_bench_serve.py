@@ -209,15 +209,21 @@ def test_multi_turn_conversations_carry_their_history_and_hit_the_prefix_cache(
 
 
 def test_a_shared_system_prompt_is_computed_once(stack: Stack, tmp_path: Path) -> None:
-    rc, data = _bench(stack, tmp_path / "sys.json", "--num-prompts", "6", "--rps", "4",
+    rc, data = _bench(stack, tmp_path / "sys.json", "--num-prompts", "6", "--rps", "2",
                       "--system-prompt-len", "64", "--max-prompt-len", "16",
                       "--max-output-len", "4", "--seed", "5")
     assert rc == 0 and data is not None
     (r,) = data["results"]
-    d = r["per_request"]
+    d = sorted(r["per_request"], key=lambda x: x["sent_s"])
     assert all(x["prompt_tokens"] >= 64 for x in d)
-    # All but the first find (at least) the system prompt's full blocks cached.
-    assert sum(1 for x in d if x["cached_tokens"] >= 48) >= 5
+    # Every request sent once an earlier one had its first token (its prompt, system
+    # prompt included, computed) finds the system prompt's full blocks cached. Which ones
+    # those are depends on the machine's speed (a request sent while the first prompt is
+    # still computing computes it too); at 2 req/s most are.
+    done = min(x["sent_s"] + x["ttft_s"] for x in d)
+    after = [x for x in d if x["sent_s"] > done]
+    assert len(after) >= 2, [(x["sent_s"], x["ttft_s"]) for x in d]
+    assert all(x["cached_tokens"] >= 48 for x in after), after
 
 
 def test_rejected_requests_are_recorded_not_fatal(stack: Stack, tmp_path: Path,
