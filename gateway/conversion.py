@@ -74,12 +74,13 @@ class InternalRequest:
     prompt_text: str = ""  # what a completion's echo repeats
     priority: int = 0  # as asked; the tenant bounds it (gateway/tenants.py)
     tenant: str = ""  # set once the request's tenant is known
+    weight: float = 1.0  # the tenant's
 
     def scheduler_request(self, request_id: str) -> scheduler_pb2.GenerateRequest:
         return scheduler_pb2.GenerateRequest(
             request_id=request_id, prompt_token_ids=self.prompt_ids, sampling=self.sampling,
             slo=self.slo, n=self.n if self.n > 1 else 0, priority=self.priority,
-            tenant=self.tenant,
+            tenant=self.tenant, weight=self.weight,
         )
 
 

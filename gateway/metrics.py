@@ -189,6 +189,18 @@ SCHEDULER_SERIES: dict[str, Series] = {
     "slo_tbt_met": _counter("superinfer_slo_tbt_gaps", _TBT, outcome="met"),
     "slo_tbt_missed": _counter("superinfer_slo_tbt_gaps", _TBT, outcome="missed"),
     "slo_good": _counter("superinfer_slo_good_requests", _GOOD),
+    # per pair of tenants: `slo_miss_blame_s:<holder>[@<tenant>]` (SUFFIX_LABELS)
+    "slo_miss_blame_s": _counter(
+        "superinfer_slo_miss_blame_seconds",
+        "Seconds the missed intervals (a TTFT over S_B, a gap over S_F) of tenant's requests "
+        "sat queued (waiting or rotary) while the tenant `behind`'s requests held the device, "
+        "split by their share of the KV blocks in use"),
+    "service_tokens": _counter(
+        "superinfer_tenant_service_tokens",
+        "Prompt and output tokens scheduled for the tenant's requests (fair shares count them)"),
+    "device_block_seconds": _counter(
+        "superinfer_tenant_device_block_seconds",
+        "Device KV block-seconds the tenant's running requests held (fair shares count them)"),
     **{f"slo_miss_{slo}_{phase}_s": _miss(slo, phase) for slo in ("ttft", "tbt")
        for phase in _PHASES},
     # outages of the worker or kvmem (DESIGN 6)
@@ -320,6 +332,12 @@ def kv_usage(total: int, free: int) -> float:
     return (total - free) / total if total > 0 else 0.0
 
 
+# Keys whose part after ":" is a label's value (not a histogram's part).
+SUFFIX_LABELS = {"slo_miss_blame_s": "behind"}
+# Sent only once requests of several tenants were seen (a server with a tenants file).
+TENANTS_ONLY = frozenset({"slo_miss_blame_s", "service_tokens", "device_block_seconds"})
+
+
 def scheduler_families(counters: dict[str, float]) -> Iterator[Metric]:
     """StatsReply.counters as typed families, a key `<key>@<tenant>` as `<key>`'s series
     with the label tenant="<tenant>"; keys this gateway does not know (a newer scheduler)
@@ -341,11 +359,14 @@ def scheduler_families(counters: dict[str, float]) -> Iterator[Metric]:
             histograms.setdefault((series_key(key), tenant), {})[key.partition(":")[2]] = (
                 counters[flat])
             continue
+        suffix = SUFFIX_LABELS.get(series_key(key))
+        extra = ((suffix, key.partition(":")[2]),) if suffix else ()
         fam = families.get(series.name)
         if fam is None:
             cls = CounterMetricFamily if series.kind == COUNTER else GaugeMetricFamily
             fam = families[series.name] = cls(series.name, series.help)
-        fam.add_sample(series.sample_name, _with_tenant(series.labels, tenant), counters[flat])
+        fam.add_sample(series.sample_name, _with_tenant(series.labels + extra, tenant),
+                       counters[flat])
     hists: dict[str, Metric] = {}
     for (key, tenant), parts in histograms.items():
         series = SCHEDULER_SERIES[key]

@@ -125,7 +125,7 @@ class TenantGate:
         if t.tbt_slo_s is not None and not slo.tbt_s:
             slo = type(slo)(ttft_s=slo.ttft_s, tbt_s=t.tbt_slo_s)
         return dataclasses.replace(req, slo=slo, priority=max(req.priority, t.priority),
-                                   tenant=t.name)
+                                   tenant=t.name, weight=t.weight)
 
     def charge(self, tenant: Tenant, tokens: int) -> None:
         """A request of `tenant` ended after generating `tokens`."""

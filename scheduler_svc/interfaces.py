@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 from common.contracts import ExecuteResult, ScheduledChunk, TransferPlan, TransferResult
 
 if TYPE_CHECKING:
+    from scheduler_svc.policy.shares import Ledger
     from scheduler_svc.queue import RequestQueue
     from scheduler_svc.recovery import Recovery
     from scheduler_svc.request import Request
@@ -82,6 +83,7 @@ class SchedulerInterface(Protocol):
     running: RequestQueue
     rotary: RequestQueue  # started, KV parked in host memory
     stats: SchedulerStats
+    shares: Ledger  # the tenants' service (policy/shares.py)
     finished_log: list[Request]  # finished requests not yet collected
 
     @property

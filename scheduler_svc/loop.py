@@ -96,6 +96,10 @@ class _Route:
     index: int = 0  # which choice
 
 
+# GetStats' key of the blame seconds: `slo_miss_blame_s:<holder>[@<tenant>]`.
+BLAME_KEY = "slo_miss_blame_s"
+
+
 @dataclass(slots=True)
 class SLOCounts:
     """One tenant's SLO attainment (DESIGN 8) and goodput, on the scheduler's clock."""
@@ -126,10 +130,15 @@ class LoopStats:
     slo: dict[str, SLOCounts] = field(default_factory=lambda: {"": SLOCounts()})
     # Where the missed TTFTs and gaps spent their time (slo_attribution.py).
     slo_miss: MissHistograms = field(default_factory=MissHistograms)
+    # Blame: (missed request's tenant, holder's tenant) -> seconds the missed intervals of
+    # the first sat queued while the second's requests held the device (policy/shares.py).
+    blame: dict[tuple[str, str], float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, float]:
         d = {f.name: float(getattr(self, f.name)) for f in fields(self)
-             if f.name not in ("started", "slo", "slo_miss")}
+             if f.name not in ("started", "slo", "slo_miss", "blame")}
+        d.update({tenant_key(f"{BLAME_KEY}:{holder}", tenant): s
+                  for (tenant, holder), s in self.blame.items()})
         d["uptime_s"] = time.monotonic() - self.started
         for tenant, counts in self.slo.items():
             d.update({tenant_key(f.name, tenant): float(getattr(counts, f.name))
@@ -158,6 +167,8 @@ class LoopStats:
             c.slo_ttft_missed += 1
             missed = True
         self.slo_miss.observe(req, missed, now)
+        for holder, s in req.missed_blame.items():
+            self.blame[(req.tenant, holder)] = self.blame.get((req.tenant, holder), 0.0) + s
         t = req.token_times
         gaps = sum(1 for a, b in zip(t, t[1:], strict=False) if b - a > req.slo.tbt_s)
         c.slo_tbt_missed += gaps

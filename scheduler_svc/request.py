@@ -122,6 +122,7 @@ class Request:
     # bounds it by the tenant's own.
     priority: int = 0
     tenant: str = ""  # from the API key ("": no tenants file); labels per-tenant statistics
+    weight: float = 1.0  # the tenant's weight: its share when tenants contend (policy/shares.py)
 
     output_token_ids: list[int] = field(default_factory=list)
     # KV of tokens [0, num_computed_tokens) is in the cache (device, or host when rotary),
@@ -172,6 +173,11 @@ class Request:
     _open: dict[str, float] = field(default_factory=dict)  # state -> s, this interval
     _open_stall: float = 0.0
     _mark: float = 0.0
+    # Blame (policy/shares.py): of its time queued (waiting or rotary) in the missed
+    # intervals, the seconds each tenant held the device (by its share of the blocks in
+    # use); kept only while tenants contend.
+    missed_blame: dict[str, float] = field(default_factory=dict)
+    open_blame: dict[str, float] = field(default_factory=dict)  # this interval's
 
     # Its chunks carry more than the plain sampling fields (logprobs, echo, penalties,
     # bias, grammar): set once here, as the scheduler asks for every chunk of every batch.
@@ -258,16 +264,31 @@ class Request:
         self.output_token_ids.append(token_id)
         self._account(now)
         phases = self._close_interval()
+        blame, self.open_blame = self.open_blame, {}
         if self.first_token_time is None:
             self.first_token_time = now
             self.ttft_phases = phases
+            if now - self.arrival_time > self.slo.ttft_s:
+                self._add_blame(blame)
         elif self.last_token_time is not None and now - self.last_token_time > self.slo.tbt_s:
             self.num_missed_gaps += 1
             missed = self.missed_gap_phases
             for k, v in phases.items():
                 missed[k] = missed.get(k, 0.0) + v
+            self._add_blame(blame)
         self.last_token_time = now
         self.token_times.append(now)
+
+    def _add_blame(self, blame: dict[str, float]) -> None:
+        for k, v in blame.items():
+            self.missed_blame[k] = self.missed_blame.get(k, 0.0) + v
+
+    def close_blame(self, now: float) -> None:
+        """It ends: a first token that never came, after its TTFT ran out, is a missed
+        interval too."""
+        if self.first_token_time is None and now - self.arrival_time > self.slo.ttft_s:
+            self._add_blame(self.open_blame)
+        self.open_blame = {}
 
     def sampling_state(self) -> SamplingState:
         """What the worker rebuilds this request's sampling state from."""

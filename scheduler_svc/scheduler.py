@@ -13,6 +13,7 @@ actions they take. The batch is built in batch.py; recovery is recovery.py's mix
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable
 
@@ -33,6 +34,7 @@ from scheduler_svc.policy.iteration_cost import (
 from scheduler_svc.policy.merge import merge
 from scheduler_svc.policy.priority import classes_first, order_key
 from scheduler_svc.policy.running import schedule_running
+from scheduler_svc.policy.shares import Ledger
 from scheduler_svc.policy.state import Plan, RotationInputs
 from scheduler_svc.prefix_cache import PrefixHit
 from scheduler_svc.queue import RequestQueue
@@ -78,6 +80,8 @@ class Scheduler(RecoveryMixin):
         self.running = RequestQueue(policy.running_key if policy.static_running_order else None)
         self.rotary = RequestQueue(lambda r: order_key(policy, r, True))
         self.iteration = 0
+        # The tenants' service, for fair shares across them (policy/shares.py).
+        self.shares = Ledger(config.fairness, config.num_device_blocks)
         self.stats = SchedulerStats()
         self.finished_log: list[Request] = []  # finished requests not yet collected
         # Planned iterations whose output has not landed: their batches are in flight.
@@ -109,6 +113,7 @@ class Scheduler(RecoveryMixin):
                 f"{req.max_model_len - 1}{why}"
             )
         self.requests[req.request_id] = req
+        self.shares.add(req)
         self._blocks_needed += self._next_token_blocks(req)
         self._tbt_slos[req.slo.tbt_s] = self._tbt_slos.get(req.slo.tbt_s, 0) + 1
         n = self._ttft_slos.get(req.slo.ttft_s, 0)
@@ -174,6 +179,8 @@ class Scheduler(RecoveryMixin):
             del self._ttft_slos[req.slo.ttft_s]
             self._lag_unit_changed()
         req.finish_reason = reason
+        req.close_blame(now)
+        self.shares.remove(req)
         self.policy.observe_finish(req)
         req.set_state(RequestState.FINISHED, now)
         del self.requests[req.request_id]
@@ -252,6 +259,7 @@ class Scheduler(RecoveryMixin):
         else:
             order = self.policy.running_order(self.running.list(), plan.now)
         order = classes_first(order)  # victims from the least urgent class first
+        order = self.shares.by_tenant(order)  # ... and the tenant most over its share
         schedule_running(self, order, plan)
         admit_candidates(self, order, plan, fcfs_mode)
         if self.policy.uses_host_pool and self.config.eager_budget_blocks and self.bm.num_host_blocks:
@@ -264,6 +272,13 @@ class Scheduler(RecoveryMixin):
             self.stats.swap_out_blocks += len(transfers.swap_out)
             self.stats.swap_in_blocks += len(transfers.swap_in) + len(transfers.late_swap_in)
 
+        if self.shares.accounting:
+            bm = self.bm
+            self.shares.charge(plan.now, plan.tokens, self.requests,
+                               ((r.tenant, bm.num_device_blocks_of(r)) for r in self.running),
+                               itertools.chain(self.waiting, self.rotary))
+        else:
+            self.shares.charge(plan.now, {}, self.requests, ())
         batch = build_batch(plan.tokens, self.requests, self.bm.tables, self.config.block_size)
         self._blocks_needed += batch.new_blocks_needed
         chunks, decode, epochs = batch.chunks, batch.num_decode_tokens, batch.kv_epochs

@@ -37,6 +37,9 @@ class SchedulerConfig:
     # `model_id` roots the names, so that KV of another model never matches.
     enable_prefix_caching: bool = False
     model_id: str = ""
+    # Across tenants (policy/shares.py): "shares" (tokens and device memory, by weight),
+    # "vtc" (tokens only, the baseline) or "global" (the policy's order across tenants).
+    fairness: str = "shares"
 
     def __post_init__(self) -> None:
         if self.num_device_blocks < 1:

@@ -31,8 +31,10 @@ from proto import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.fork import child_id, child_seed
 from scheduler_svc.kv_publisher import KVEventPublisher
 from scheduler_svc.loop import EventQueue, ServingLoop, StreamSink
+from scheduler_svc.policy.shares import Ledger
 from scheduler_svc.remote import RPC_TIMEOUT_S, RemoteKVMem, RemoteWorker, wait_serving
 from scheduler_svc.request import SLO, InvalidSamplingParams, Request, SamplingParams
+from scheduler_svc.scheduler_config import tenant_key
 from scheduler_svc.setup import build_scheduler, default_slo, model_identity
 from scheduler_svc.token_stream import Subscription, token_event_fields
 from scheduler_svc.trace import Trace
@@ -41,6 +43,16 @@ log = structlog.get_logger()
 
 RETRY_AFTER_S = 1  # what a refused client is told to wait; requests finish in seconds
 MAX_CHOICES = 32  # n (or best_of) of one request
+
+
+def service_counters(ledger: Ledger) -> dict[str, float]:
+    """Each tenant's service so far (policy/shares.py), once tenants were seen: tokens
+    scheduled and device block-seconds held, under `tenant_key`."""
+    if not ledger.accounting:
+        return {}
+    out = {tenant_key("service_tokens", t): v for t, v in ledger.tokens.items()}
+    out.update({tenant_key("device_block_seconds", t): v for t, v in ledger.block_s.items()})
+    return out
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
@@ -292,6 +304,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             max_model_len=self.info.max_model_len,
             priority=m.priority,
             tenant=m.tenant,
+            weight=m.weight if m.weight > 0 else 1.0,
         )
 
     async def Abort(
@@ -310,6 +323,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         s = loop.scheduler
         counters = s.stats.counters()
         counters.update(loop.stats_dict())
+        counters.update(service_counters(s.shares))
         now = s.load()
         return scheduler_pb2.StatsReply(
             waiting=len(s.waiting),

@@ -50,6 +50,10 @@ class RequestRecord:
     # SLO-miss attribution from the scheduler (None: not known, e.g. seen by a client).
     ttft_phases: dict[str, float] | None = None
     missed_gap_phases: dict[str, float] | None = None
+    tenant: str = ""
+    # Of its queued time in the missed intervals, the seconds each tenant held the device
+    # (scheduler_svc/policy/shares.py; empty while tenants did not contend).
+    blame: dict[str, float] | None = None
 
     @property
     def ttft_s(self) -> float | None:
@@ -94,7 +98,21 @@ class RequestRecord:
             ttft_phases=req.ttft_phases or req.open_phases(now if now is not None
                                                            else req.arrival_time),
             missed_gap_phases=dict(req.missed_gap_phases),
+            tenant=req.tenant,
+            blame=_blame(req, now),
         )
+
+
+
+def _blame(req: Request, now: float | None) -> dict[str, float]:
+    """The request's blame; one still without a first token when the run ended, past its
+    TTFT SLO, adds the interval it is in."""
+    out = dict(req.missed_blame)
+    if (not req.is_finished and now is not None and req.first_token_time is None
+            and now - req.arrival_time > req.slo.ttft_s):
+        for k, v in req.open_blame.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
 
 
 @dataclass(slots=True)

@@ -160,6 +160,8 @@ class TraceRequest:
     output_len: int
     prompt: str | None = None  # the prompt text when the trace comes from a dataset file
     slo: SLOClass | None = None  # its own SLOs (None: the run's)
+    tenant: str = ""  # whose request it is (several tenants' traces merged; "": none)
+    weight: float = 1.0  # that tenant's weight
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ from scheduler_svc.policy.admission import admit
 from scheduler_svc.policy.base import Policy
 from scheduler_svc.policy.rotation import LAZY_MIN_FINISHES, rotation_needed
 from scheduler_svc.policy.running import schedule_running
+from scheduler_svc.policy.shares import Ledger
 from scheduler_svc.policy.state import Plan, RotationInputs
 from scheduler_svc.policy.victims import pick_victims
 from scheduler_svc.queue import Entry
@@ -139,6 +140,7 @@ class State:
         self.policy, self.blocks = policy, pool
         self.seat_limit = self.max_num_seqs = seats
         self.iteration = 100
+        self.shares = Ledger("shares", pool.free + 64)  # one tenant: no effect
         self.running = Queue(policy, False, running)
         self.waiting = Queue(policy, False, waiting)
         self.rotary = Queue(policy, True, [])

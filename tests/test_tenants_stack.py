@@ -309,3 +309,9 @@ def test_bench_serve_reports_each_tenant_as_the_server_counted_it(stack: Stack,
         assert next(line for line in run.stdout.splitlines() if line.strip().startswith(name))
     # The loose SLOs are met in full on both sides; the tight ones need not be.
     assert rows["bulk"]["counts"]["server"]["ttft_met"] == 5
+    # One seat: ops' misses waited behind the requests that held it, bulk's or its own.
+    ops = rows["ops"]
+    assert set(ops["blame_s"]) <= {"ops", "bulk"}
+    if ops["counts"]["server"]["ttft_missed"]:
+        assert sum(ops["blame_s"].values()) > 0
+        assert "ops's misses:" in run.stdout

@@ -35,7 +35,7 @@ def admit(state: SchedulingState, order: Sequence[Request], plan: Plan,
         queue = classes_first(deadline_order(state.rotary.list() + state.waiting.list()))
     else:
         runs = policy.candidate_runs(state.waiting.groups() + state.rotary.groups(), plan.now)
-        queue = merged(runs, policy.merge_key, plan.now)
+        queue = merged(runs, policy.merge_key, plan.now, state.shares)
     rotate = not fcfs_mode
     hold: frozenset[str] = frozenset()  # parked ones that go first (rotation_needed)
     parked_within: float | None = None  # a parked one preempts only under this slack
@@ -166,6 +166,7 @@ def admit(state: SchedulingState, order: Sequence[Request], plan: Plan,
         if not state.admit(q, n, plan):
             continue  # its swap-in waits for the batch in flight: it computes next batch
         plan.tokens[q.request_id] = n
+        state.shares.seat(q, n)
         plan.budget -= n
         if free_only:
             if free_below_least(state, plan):
@@ -197,7 +198,8 @@ def may_preempt_for(state: SchedulingState, q: Request, victims: Sequence[Reques
     """May the first eligible victim be preempted for `q`? When not, no later victim may
     be (they come lowest first), nor for any later candidate (lagging less)."""
     head = first_running(victims, plan)
-    return head < len(victims) and may_displace(state.policy, victims[head], q, plan.now)
+    return head < len(victims) and may_displace(state.policy, victims[head], q, plan.now,
+                                                     state.shares)
 
 
 def free_below_least(state: SchedulingState, plan: Plan) -> bool:

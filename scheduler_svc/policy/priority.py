@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator
 
 from scheduler_svc.policy.base import OrderKey, Policy
 from scheduler_svc.policy.merge import merge
+from scheduler_svc.policy.shares import Ledger
 from scheduler_svc.queue import Entry
 from scheduler_svc.request import Request
 
@@ -45,9 +46,10 @@ _priority = operator.attrgetter("priority")
 
 
 def order_key(policy: Policy, req: Request, rotary: bool) -> OrderKey:
-    """The policy's (group, static key), with the request's class in front of the group."""
+    """The policy's (group, static key), with the request's class and tenant in front of
+    the group (each sorted run holds one class of one tenant: policy/shares.py)."""
     group, key = policy.order_key(req, rotary)
-    return (req.priority, group), key
+    return (req.priority, req.tenant, group), key
 
 
 def classes(runs: list[list[Entry]]) -> list[list[list[Entry]]]:
@@ -63,13 +65,15 @@ def classes(runs: list[list[Entry]]) -> list[list[list[Entry]]]:
 
 
 def merged(runs: list[list[Entry]], key: Callable[[Request, float], tuple[object, ...]],
-           now: float) -> Iterator[Request]:
+           now: float, ledger: Ledger | None = None) -> Iterator[Request]:
     """The candidates of sorted runs of one class each (`order_key`'s), class by class, each
-    in `key` order: the lazy form of `classes_first(policy.candidates(...))`."""
+    in `key` order: the lazy form of `classes_first(policy.candidates(...))`. With a
+    `ledger` whose tenants contend, each class comes tenant by tenant (policy/shares.py)."""
+    per_class = merge if ledger is None or not ledger.contended else ledger.interleave
     split = classes(runs)
     if len(split) <= 1:
-        return merge(split[0] if split else [], key, now)
-    return itertools.chain.from_iterable(merge(c, key, now) for c in split)
+        return per_class(split[0] if split else [], key, now)
+    return itertools.chain.from_iterable(per_class(c, key, now) for c in split)
 
 
 def classes_first(order: list[Request]) -> list[Request]:
@@ -83,9 +87,11 @@ def classes_first(order: list[Request]) -> list[Request]:
     return sorted(order, key=_priority)  # stable: each class keeps its order
 
 
-def may_displace(policy: Policy, victim: Request, candidate: Request, now: float) -> bool:
+def may_displace(policy: Policy, victim: Request, candidate: Request, now: float,
+                 ledger: Ledger | None = None) -> bool:
     """May running `victim` be preempted for `candidate`? Never for a less urgent class,
     for a more urgent one yes, within a class as the policy's `may_preempt` says."""
-    if victim.priority == candidate.priority:
-        return policy.may_preempt(victim, candidate, now)
-    return victim.priority > candidate.priority
+    if victim.priority != candidate.priority:
+        return victim.priority > candidate.priority
+    across = None if ledger is None else ledger.displaces(victim, candidate)
+    return policy.may_preempt(victim, candidate, now) if across is None else across

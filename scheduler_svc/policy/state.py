@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from scheduler_svc.policy.base import Policy
+from scheduler_svc.policy.shares import Ledger
 from scheduler_svc.queue import Entry
 from scheduler_svc.request import Request, RequestState
 
@@ -120,6 +121,7 @@ class SchedulingState(Protocol):
     policy: Policy
     seat_limit: int  # seats this iteration (max_num_seqs, or fewer under a time budget)
     iteration: int
+    shares: Ledger  # the tenants' service (policy/shares.py)
 
     @property
     def blocks(self) -> BlockView: ...

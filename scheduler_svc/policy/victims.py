@@ -42,7 +42,7 @@ def pick_victims(state: SchedulingState, q: Request, need: int, rotary: bool, co
             break
         if v.state is not RequestState.RUNNING:
             continue
-        if not may_displace(policy, v, q, plan.now):
+        if not may_displace(policy, v, q, plan.now, state.shares):
             break  # victims come lowest first: later ones may not be preempted either
         if not chosen:  # someone may be preempted: would even all of them make room?
             if not plan.victim_bound:

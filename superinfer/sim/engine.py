@@ -35,6 +35,7 @@ from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.interfaces import SchedulerInterface
 from scheduler_svc.policy import POLICY_NAMES, RotationLimits, VLTParams, make_policy
 from scheduler_svc.policy.iteration_cost import IterationCost, OnlineIterationCost
+from scheduler_svc.policy.shares import FAIRNESS
 from scheduler_svc.policy.xfer_budget import xfer_budget
 from scheduler_svc.request import SLO, Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
@@ -89,6 +90,9 @@ class SimConfig(SchedulingSettings):
     # With unknown lengths, the max_tokens each request sends (an OpenAI client's, e.g.
     # `bench serve --no-ignore-eos --max-tokens 512`); None: bounded by the context alone.
     max_tokens: int | None = None
+    # Across tenants (scheduler_svc/policy/shares.py): the engine's "shares", or the
+    # baselines "vtc" (tokens only) and "global" (the policy's order across tenants).
+    fairness: str = "shares"
 
     @classmethod
     def from_engine(cls, ec: EngineConfig, **overrides: Any) -> SimConfig:
@@ -118,6 +122,9 @@ class SimConfig(SchedulingSettings):
             raise SimulationError(f"--lengths must be one of {', '.join(LENGTHS)}, got {self.lengths!r}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise SimulationError(f"max_tokens must be positive (None: the context), got {self.max_tokens}")
+        if self.fairness not in FAIRNESS:
+            raise SimulationError(f"fairness must be one of {', '.join(FAIRNESS)}, got "
+                                  f"{self.fairness!r}")
         if self.cost not in ("online", "model", "none"):
             raise SimulationError(f"--iteration-cost must be online, model or none, got {self.cost!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -160,6 +167,7 @@ _VARIANT_KEYS: dict[str, tuple[str, str, Any]] = {
     "layout": ("", "layout", str),
     "duplex": ("", "duplex", "bool"),
     "pipeline": ("", "pipeline", "bool"),
+    "fairness": ("", "fairness", str),
 }
 
 
@@ -272,6 +280,8 @@ class SimResult:
     metrics: SLOMetrics
     stats: dict[str, float | int | None] = field(default_factory=dict)
     records: list[RequestRecord] = field(default_factory=list)
+    # Per tenant, its share of the tokens and of the device block-seconds (several tenants).
+    shares: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 class Simulator:
@@ -333,6 +343,7 @@ class Simulator:
                               self.model.max_model_len),
             eager_budget_blocks=self.eager_budget,
             pipelined=c.pipeline,
+            fairness=c.fairness,
         )
 
     def make_scheduler(self, clock: Callable[[], float]) -> SchedulerInterface:
@@ -399,6 +410,7 @@ class Simulator:
                                    temperature=0.0, ignore_eos=known),
                     arrival_time=tr.arrival_s, slo=own,
                     eos_token_ids=() if known else (EOS_TOKEN,),
+                    tenant=tr.tenant, weight=tr.weight,
                 )
                 if not known:
                     worker.ends[req.request_id] = olen
@@ -482,7 +494,8 @@ class Simulator:
             "decision_s_max": s.decision_s_max,
             "wall_s": time.perf_counter() - wall0,
         }
-        return SimResult(self.policy_name, self.label, metrics, stats, records)
+        return SimResult(self.policy_name, self.label, metrics, stats, records,
+                         sched.shares.shares() if sched.shares.accounting else {})
 
 
 class _SimWorker:

@@ -137,6 +137,8 @@ def run_tenants(args: argparse.Namespace, loads: list[TenantLoad], model: str,
     server = metric_deltas(before, after)
     rows = [tenant_row(r, server, args) for r in runs]
     print(format_tenants(rows), flush=True)
+    for line in format_blame(rows):
+        print(line)
     return rows
 
 
@@ -152,6 +154,7 @@ def tenant_row(run: _Run, server: dict[str, float], args: argparse.Namespace) ->
     bench = own_counts(run.outcomes, t.ttft_slo_s, t.tbt_slo_s)
     seen = server_counts(server, t.name)
     row["counts"] = {"bench": bench, "server": seen}
+    row["blame_s"] = server_blame(server, t.name)
     if seen is None:
         row["agree"] = None
     else:
@@ -199,6 +202,30 @@ def server_counts(delta: dict[str, float], tenant: str) -> dict[str, int] | None
     if all(v is None for v in values.values()):
         return None
     return {k: int(round(v or 0.0)) for k, v in values.items()}
+
+
+def server_blame(delta: dict[str, float], tenant: str) -> dict[str, float]:
+    """Seconds the tenant's missed intervals sat queued behind each tenant's requests on
+    the device, as the server counted them over the pass (docs/metrics.md)."""
+    prefix = "superinfer_slo_miss_blame_seconds_total{behind="
+    out = {}
+    for name, v in delta.items():
+        if name.startswith(prefix) and name.endswith(f",tenant={tenant}}}") and v > 0:
+            out[name[len(prefix):].split(",", 1)[0]] = v
+    return out
+
+
+def format_blame(rows: list[dict[str, Any]]) -> list[str]:
+    """`interactive's misses: 70% waiting behind batch, 30% behind interactive`."""
+    lines = []
+    for r in rows:
+        blame = r.get("blame_s") or {}
+        total = sum(blame.values())
+        if total > 0:
+            parts = [f"{100 * s / total:.0f}% behind {who}" for who, s in
+                     sorted(blame.items(), key=lambda kv: -kv[1])]
+            lines.append(f"{r['tenant']}'s misses: {total:.1f} s queued, " + ", ".join(parts))
+    return lines
 
 
 def _share(met: int, missed: int) -> float | None:
