@@ -15,7 +15,8 @@ for the engine's configuration get the overrides, so `policy_from` (and so
 `build_scheduler`) builds the policy with them. Values: on/off (true/false, yes/no) for a
 flag, numbers, `none` for a rule that may be off; each is converted to its field's type
 and the result checked by `RotationLimits` itself, so a bad key or value is refused before
-anything starts. `--rules ''` applies none (the same process, the default rules).
+anything starts. One key is not a rotation rule: `fairness=shares|vtc|global`, the
+scheduler's order across tenants (scheduler_svc/policy/shares.py; `SchedulerConfig.fairness`). `--rules ''` applies none (the same process, the default rules).
 
 With `--serve`, the rest is `superinfer serve`'s argv instead: the whole four-service stack
 starts as `superinfer serve` starts it (`services_cli._serve`: the same supervisor, probes,
@@ -95,6 +96,7 @@ def parse_rules(text: str) -> dict[str, object]:
     RotationLimits field, every value of its type, and RotationLimits built with them
     (its own range checks). '' -> {}."""
     from scheduler_svc.policy.base import RotationLimits
+    from scheduler_svc.policy.shares import FAIRNESS
 
     types_ = rule_types()
     out: dict[str, object] = {}
@@ -105,6 +107,11 @@ def parse_rules(text: str) -> dict[str, object]:
         key = key.strip().replace("-", "_")
         if not sep or not value.strip():
             raise RulesError(f"rule {part!r}: expected KEY=VALUE, e.g. min_residency=0")
+        if key == FAIRNESS_RULE:  # the scheduler's, not the policy's (policy/shares.py)
+            if value.strip() not in FAIRNESS:
+                raise RulesError(f"fairness is one of {', '.join(FAIRNESS)}, got {value!r}")
+            out[key] = value.strip()
+            continue
         if key not in types_:
             raise RulesError(f"unknown rule {key!r}; RotationLimits has: "
                              f"{', '.join(sorted(types_))}")
@@ -112,7 +119,7 @@ def parse_rules(text: str) -> dict[str, object]:
             raise RulesError(f"rule {key!r} is given twice")
         out[key] = _convert(key, value, types_[key])
     try:
-        dataclasses.replace(RotationLimits(), **out)  # type: ignore[arg-type]
+        dataclasses.replace(RotationLimits(), **limits_of(out))  # type: ignore[arg-type]
     except ValueError as e:
         raise RulesError(f"rules {text!r}: {e}") from None
     return out
@@ -128,6 +135,13 @@ def format_rules(rules: dict[str, object]) -> str:
         return str(v)
 
     return ",".join(f"{k}={word(v)}" for k, v in rules.items())
+
+
+FAIRNESS_RULE = "fairness"  # across tenants: SchedulerConfig.fairness, not a RotationLimits field
+
+
+def limits_of(rules: dict[str, object]) -> dict[str, object]:
+    return {k: v for k, v in rules.items() if k != FAIRNESS_RULE}
 
 
 def _log() -> Any:
@@ -147,8 +161,17 @@ def install(rules: dict[str, object]) -> Callable[[], None]:
     if getattr(original, "__rules__", None) is not None:
         raise RuntimeError("rotation rules are already overridden in this process")
 
+    limit_rules = limits_of(rules)
+    fairness = str(rules[FAIRNESS_RULE]) if FAIRNESS_RULE in rules else None
+    original_config = setup.scheduler_config
+
+    def scheduler_config(*args: Any, **kwargs: Any) -> Any:
+        config = original_config(*args, **kwargs)
+        _log().info("fairness overridden", fairness=fairness)
+        return dataclasses.replace(config, fairness=fairness or config.fairness)
+
     def rotation_limits(cfg: Any) -> Any:
-        limits = dataclasses.replace(original(cfg), **rules)  # type: ignore[arg-type]
+        limits = dataclasses.replace(original(cfg), **limit_rules)  # type: ignore[arg-type]
         # vLLM's baselines take only these two of the limits (policy/__init__.py).
         ignored = (cfg.policy not in ("lvf", "waiting-first")
                    and set(rules) - {"iteration_budget", "prefill_within"})
@@ -160,9 +183,12 @@ def install(rules: dict[str, object]) -> Callable[[], None]:
     rotation_limits.__rules__ = dict(rules)  # type: ignore[attr-defined]
     rotation_limits.__wrapped__ = original  # type: ignore[attr-defined]
     setup.rotation_limits = rotation_limits
+    if fairness is not None:
+        setup.scheduler_config = scheduler_config
 
     def undo() -> None:
         setup.rotation_limits = original
+        setup.scheduler_config = original_config
 
     return undo
 

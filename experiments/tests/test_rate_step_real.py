@@ -199,3 +199,20 @@ def test_requests_are_scored_by_the_phase_their_arrival_falls_in() -> None:
     assert trace_digest(bench) == trace_digest(_bench([
         {"at": r["scheduled_s"], "tokens": []} for r in bench["results"][0]["per_request"]]))
     assert not math.isnan(p1["goodput"])
+
+
+def test_fairness_is_set_on_the_scheduler_built_by_the_service_path(patched: Any) -> None:
+    """`fairness=global` (not a rotation rule) reaches SchedulerConfig, for the real-stack
+    tenant study (experiments/tenant_shares_real.py); a bad value is refused."""
+    from common.config import EngineConfig
+    from experiments.rules_scheduler import RulesError, parse_rules
+    from scheduler_svc import setup
+
+    cfg = EngineConfig(policy="lvf")
+    assert setup.build_scheduler(cfg, 64, 128, 2048).config.fairness == "shares"
+    patched(parse_rules("fairness=global,min_residency=0"))
+    sched = setup.build_scheduler(cfg, 64, 128, 2048)
+    assert sched.config.fairness == "global" and sched.shares.mode == "global"
+    assert sched.policy.limits.min_residency == 0
+    with pytest.raises(RulesError, match="fairness is one of"):
+        parse_rules("fairness=fifo")
