@@ -178,3 +178,15 @@ def test_blame_names_the_tenant_that_held_the_device() -> None:
     text = GatewayMetrics().render(scheduler_pb2.StatsReply(counters=counters), "m").decode()
     assert 'superinfer_slo_miss_blame_seconds_total{behind="B",tenant="A"}' in text
     assert 'superinfer_tenant_device_block_seconds_total{tenant="B"}' in text
+
+
+def test_a_tenant_alone_blames_its_own_requests() -> None:
+    """One named tenant bursting: its misses name its own requests (no other tenant)."""
+    sched, clock = scheduler("shares", device_blocks=6, policy="fcfs")
+    for i in range(3):
+        sched.add_request(req(f"a{i}", "A", 0.0, prompt=11, slo=SLO(0.2, 1.0), max_tokens=20))
+    while sched.has_unfinished():
+        step(sched, clock)
+    done = sched.collect_finished()
+    late = [r for r in done if r.first_token_time - r.arrival_time > 0.2]
+    assert late and all(set(r.missed_blame) == {"A"} for r in late)

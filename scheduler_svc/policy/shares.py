@@ -88,8 +88,9 @@ class Ledger:
 
     @property
     def accounting(self) -> bool:
-        """Is service being counted (more than one tenant seen)?"""
-        return len(self.counter) > 1
+        """Is service being counted (a named tenant seen: a server with a tenants file, or
+        a trace of several)? Without tenants nothing is, and nothing costs."""
+        return len(self.counter) > 1 or "" not in self.counter and bool(self.counter)
 
     def key(self, tenant: str) -> float:
         """The tenant's place in the order now: lower goes first."""
@@ -134,7 +135,7 @@ class Ledger:
         for tenant, b in blocks.items():
             self.block_s[tenant] = self.block_s.get(tenant, 0.0) + b * dt
         in_use = sum(blocks.values())
-        if dt > 0 and in_use > 0 and len(self.live) > 1:
+        if dt > 0 and in_use > 0:
             held_s = [(tenant, dt * b / in_use) for tenant, b in blocks.items() if b]
             for req in queued:
                 blame = req.open_blame
