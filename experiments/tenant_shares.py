@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import json
 import math
+import multiprocessing
 import sys
 import time
 from collections.abc import Callable
@@ -267,7 +268,7 @@ def summarize(rows: dict[str, dict[str, Any]], seed: int) -> list[dict[str, Any]
                "rotations": row["rotations"], "preemptions": row["preemptions"]}
         if kind in ("flood", "rotation"):
             rec["a_blame_share_b"] = blame_share(row, "A", "B")
-        if kind == "onoff":
+        if kind == "onoff" and "tok_s_in_windows" in row["tenants"]["B"]:  # off windows
             ref = rows[f"s{seed}/b_solo"]["tenants"]["B"]["tok_s_in_windows"]
             rec["b_tok_s_off_phases"] = row["tenants"]["B"]["tok_s_in_windows"]
             rec["b_solo_tok_s_off_phases"] = ref
@@ -298,7 +299,7 @@ def checks(runs: list[dict[str, Any]], rows: dict[str, dict[str, Any]]) -> list[
             d = 100 * (r["a_ttft_solo"] - r["a_ttft_flood"])
             out.append((f"{tag}: A loses >= {GLOBAL_LOSS:g} TTFT points (load hard enough)",
                         d >= GLOBAL_LOSS, f"{-d:+.1f} points"))
-        if r["scenario"] == "onoff":
+        if r["scenario"] == "onoff" and "b_work_conservation" in r:
             w = r["b_work_conservation"]
             out.append((f"{tag}: B work conservation >= {WORK_CONSERVATION}",
                         w >= WORK_CONSERVATION, f"{w:.3f}"))
@@ -369,7 +370,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_jobs(jobs: list[Job], n: int) -> dict[str, dict[str, Any]]:
-    with ProcessPoolExecutor(max(1, n)) as pool:
+    """The jobs' rows: in this process for n <= 1, else in n spawned processes (not
+    forked: a fork of a process whose OpenMP pool is up, torch's, can spin forever in the
+    child; under pytest-xdist it did, for minutes)."""
+    if n <= 1:
+        return {r["key"]: r for r in map(run_job, jobs)}
+    with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
         return {r["key"]: r for r in pool.map(run_job, jobs)}
 
 

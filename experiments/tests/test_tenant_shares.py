@@ -13,7 +13,8 @@ def test_tiny_flood_shares_keep_a_where_global_does_not() -> None:
     has not built yet): under `shares` A's TTFT holds, under `global` B's queue takes it."""
     from experiments import tenant_shares as mod
 
-    res = mod.study([0], 20.0, jobs=2, rates=(mod.RATE_A, 2 * mod.CAP_B), full=False)
+    # In this process (jobs=1): no fork of a test worker that has torch's threads up.
+    res = mod.study([0], 20.0, jobs=1, rates=(mod.RATE_A, 2 * mod.CAP_B), full=False)
     runs = json.loads(json.dumps(res["runs"]))  # what results.json holds
     by = {r["policy"]: r for r in runs}
     assert set(by) == {"shares", "global", "vtc"}
