@@ -28,7 +28,7 @@ import pytest
 
 from common.daemon import free_port
 from common.tenants import hash_key, new_key
-from proto import client_pb2, client_pb2_grpc
+from proto import client_pb2, client_pb2_grpc, common_pb2
 from superinfer.probes import grpc_probe, http_probe
 from superinfer.supervisor import ServiceSpec, Supervisor
 from tests.stack import CHILD_ENV, STARTUP_TIMEOUT_S
@@ -141,7 +141,9 @@ def test_an_unknown_key_is_a_401_on_both_front_doors(stack: Stack) -> None:
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         async with grpc.aio.insecure_channel(stack.grpc_addr) as ch:
             stub = client_pb2_grpc.SuperInferStub(ch)
-            req = client_pb2.ClientGenerateRequest(prompt="Hi")
+            # max_tokens set: proto3's 0 means "up to the context", 8k tokens on this CPU.
+            req = client_pb2.ClientGenerateRequest(
+                prompt="Hi", sampling=common_pb2.SamplingParams(max_tokens=2))
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 _ = [e async for e in stub.Generate(
                     req, metadata=(("authorization", "Bearer sk-si-nobody"),))]
