@@ -390,8 +390,14 @@ def _cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 def _serve(*argv: str) -> subprocess.CompletedProcess[str]:
     """`superinfer serve` with a free port for every service but those `argv` gives."""
     given = set(argv)
-    free = [a for flag in ("--port", "--scheduler-port", "--worker-port", "--kvmem-port")
-            if flag not in given for a in (flag, str(free_port()))]
+    flags = [f for f in ("--port", "--scheduler-port", "--worker-port", "--kvmem-port")
+             if f not in given]
+    ports: list[int] = []
+    while len(ports) < len(flags):  # free_port may hand out one just released twice
+        p = free_port()
+        if p not in ports:
+            ports.append(p)
+    free = [a for flag, p in zip(flags, ports, strict=True) for a in (flag, str(p))]
     return _cli("serve", "--grpc-port", "0", *free, *argv)
 
 
