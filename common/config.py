@@ -11,6 +11,7 @@ import argparse
 from dataclasses import dataclass, fields
 
 from common.scheduling import POLICY_NAMES, SchedulingSettings, add_setting_flags
+from common.speculative import SpeculativeConfig
 
 __all__ = ["DTYPE_NAMES", "GIB", "KV_DTYPE_NAMES", "POLICY_NAMES", "EngineConfig", "optional_float"]
 
@@ -20,6 +21,13 @@ GIB = 1 << 30
 # float16 is kept for old command lines and runs as bfloat16.
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "int8", "int4", "gguf", "float16")
 KV_DTYPE_NAMES = ("auto", "float32", "bfloat16")  # auto: float32 with float32 weights, else bf16
+
+
+def _speculative(text: str) -> SpeculativeConfig | None:
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def optional_float(text: str) -> float | None:
@@ -47,6 +55,8 @@ class EngineConfig(SchedulingSettings):
     # The worker's ranks, one process each, in one torch.distributed group (worker/tp.py).
     tensor_parallel_size: int = 1
     trace: str | None = None  # write the iteration timeline here (Chrome/Perfetto JSON)
+    # Speculative decoding (common/speculative.py): None, off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         self.check()
@@ -106,6 +116,11 @@ class EngineConfig(SchedulingSettings):
                        help="split the model's heads over N worker processes (torch."
                             "distributed, gloo on the CPU); the attention and KV heads "
                             "must divide by N")
+        g.add_argument("--speculative-config", type=_speculative, default=None, metavar="JSON",
+                       help="speculative decoding, as vLLM's flag: '{\"method\": \"ngram\", "
+                            "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
+                            "\"prompt_lookup_min\": 2}' (prompt lookup; greedy requests; a "
+                            "request turns it off with \"speculative\": false). Default: off")
         add_setting_flags(p.add_argument_group(
             "scheduling (RotaSched; everything else is computed or adapted: docs/rotasched.md)"))
         o = p.add_argument_group("observability")

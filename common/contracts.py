@@ -132,6 +132,12 @@ class ScheduledChunk:
     # per-request state, rebuilt from `state` when given (see SamplingState).
     stateful: bool = False
     state: SamplingState | None = None
+    # Speculative decoding: the last `num_draft` token_ids are proposed, not yet known
+    # tokens. The worker verifies them greedily (scheduler_svc/speculative.py): the first
+    # row after the request's last known token samples as usual (`sampled`), each draft
+    # the model agrees with is accepted and the row after it gives one more token
+    # (ExecuteResult.accepted).
+    num_draft: int = 0
 
 
 @dataclass(slots=True)
@@ -142,6 +148,15 @@ class ExecuteResult:
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     # request_id -> one entry per prompt_logprob_targets entry of its chunk
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # Speculative chunks: request_id -> the tokens after `sampled[request_id]` that
+    # verification produced (one per accepted draft; absent: none accepted) ...
+    accepted: dict[str, list[int]] = field(default_factory=dict)
+    # ... and their logprobs (chunks with logprobs >= 0)
+    accepted_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+
+    def tokens_of(self, request_id: str) -> list[int]:
+        """Every token the request's chunk produced, in order."""
+        return [self.sampled[request_id], *self.accepted.get(request_id, ())]
 
 
 @dataclass(slots=True)

@@ -17,6 +17,11 @@ class OutputTracker:
         self._text = ""  # all text so far (truncated at a stop string once one matched)
         self._sent = 0  # characters already handed out by `feed`
         self.stopped = False
+        # Tokens the text is made of: those fed, up to the one that completed a stop
+        # string (a speculative step lands several tokens at once: the ones after it are
+        # not part of the output); `last_used`: of the last feed's tokens.
+        self.num_tokens = 0
+        self.last_used = 0
 
     @property
     def text(self) -> str:
@@ -25,7 +30,24 @@ class OutputTracker:
     def feed(self, token_ids: list[int], final: bool = False) -> str:
         """Add new tokens; return the text that is now safe to send."""
         if self.stopped:
+            self.last_used = 0
             return ""
+        if len(token_ids) > 1 and self._stop:
+            parts, used = [], 0
+            for tok in token_ids:  # a stop string may end inside the run
+                parts.append(self._feed([tok], False))
+                used += 1
+                if self.stopped:
+                    break
+            if final and not self.stopped:
+                parts.append(self._feed([], True))
+        else:
+            parts, used = [self._feed(token_ids, final)], len(token_ids)
+        self.last_used = used
+        self.num_tokens += used
+        return "".join(parts)
+
+    def _feed(self, token_ids: list[int], final: bool) -> str:
         self._text += self._detok.feed(token_ids)
         if final:
             self._text += self._detok.flush()

@@ -35,6 +35,7 @@ def chunk_to_proto(c: ScheduledChunk) -> worker_pb2.Chunk:
         repetition_penalty=c.repetition_penalty,
         prompt_logprob_targets=c.prompt_logprob_targets,
         stateful=c.stateful,
+        num_draft=c.num_draft,
     )
     if c.seed is not None:
         msg.seed = c.seed
@@ -65,6 +66,7 @@ def chunk_from_proto(m: worker_pb2.Chunk) -> ScheduledChunk:
         prompt_logprob_targets=list(m.prompt_logprob_targets) if m.prompt_logprob_targets else (),
         stateful=m.stateful,
         state=state_from_proto(m.state) if m.HasField("state") else None,
+        num_draft=m.num_draft,
     )
 
 
@@ -111,6 +113,10 @@ def result_to_proto(r: ExecuteResult) -> worker_pb2.ExecuteReply:
         reply.logprobs[rid].CopyFrom(logprob_to_proto(lp))
     for rid, lps in r.prompt_logprobs.items():
         reply.prompt_logprobs[rid].tokens.extend(logprobs_to_proto(lps))
+    for rid, ids in r.accepted.items():
+        reply.accepted[rid].ids.extend(ids)
+    for rid, lps in r.accepted_logprobs.items():
+        reply.accepted_logprobs[rid].tokens.extend(logprobs_to_proto(lps))
     return reply
 
 
@@ -120,6 +126,9 @@ def result_from_proto(m: worker_pb2.ExecuteReply) -> ExecuteResult:
         logprobs={rid: logprob_from_proto(lp) for rid, lp in m.logprobs.items()},
         prompt_logprobs={rid: [logprob_from_proto(t) for t in p.tokens]
                          for rid, p in m.prompt_logprobs.items()},
+        accepted={rid: list(t.ids) for rid, t in m.accepted.items()},
+        accepted_logprobs={rid: [logprob_from_proto(t) for t in p.tokens]
+                           for rid, p in m.accepted_logprobs.items()},
     )
 
 

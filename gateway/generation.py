@@ -202,6 +202,13 @@ class Generation:
         if choice.finish_reason is not None:
             return None  # stopped here already (a stop string); the scheduler's last word
         ids = list(event.token_ids)
+        final = bool(event.finish_reason)
+        text = choice.tracker.feed(ids, final=final)
+        lps = [logprob_from_proto(m) for m in event.logprobs]
+        if choice.tracker.last_used < len(ids):
+            # A stop string ended inside a speculative run: the tokens after it are no
+            # part of the output (nor of the usage).
+            ids, lps = ids[: choice.tracker.last_used], lps[: choice.tracker.last_used]
         if ids:
             self._record_tokens(len(ids))
         if event.finish_reason:
@@ -210,11 +217,8 @@ class Generation:
             self._scheduler_done = True
             raise APIError(500, "the engine failed while generating this request",
                            code="generation_failed")
-        lps = [logprob_from_proto(m) for m in event.logprobs]
         choice.token_ids.extend(ids)
         choice.logprobs.extend(lps)
-        final = bool(event.finish_reason)
-        text = choice.tracker.feed(ids, final=final)
         if final:
             choice.finish_reason = event.finish_reason
             if self._open == 1:

@@ -26,7 +26,7 @@ from proto import common_pb2 as proto_dot_common__pb2
 from proto import scheduler_pb2 as proto_dot_scheduler__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/worker.proto\x12\nsuperinfer\x1a\x12proto/common.proto\x1a\x15proto/scheduler.proto\"\xab\x03\n\x05\x43hunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x11\n\tstart_pos\x18\x03 \x01(\x05\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\x05\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12\x13\n\x0btemperature\x18\x06 \x01(\x02\x12\r\n\x05top_p\x18\x07 \x01(\x02\x12\r\n\x05top_k\x18\x08 \x01(\x05\x12\x11\n\x04seed\x18\t \x01(\x03H\x00\x88\x01\x01\x12\x14\n\x0coutput_index\x18\n \x01(\x05\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\r \x01(\x02\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x01\x88\x01\x01\x12\x1e\n\x16prompt_logprob_targets\x18\x0f \x03(\x05\x12\x10\n\x08stateful\x18\x10 \x01(\x08\x12-\n\x05state\x18\x11 \x01(\x0b\x32\x19.superinfer.SamplingStateH\x02\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x08\n\x06_state\"\x82\x01\n\x0e\x45xecuteRequest\x12\x11\n\titeration\x18\x01 \x01(\x03\x12!\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x11.superinfer.Chunk\x12\x0f\n\x07pool_id\x18\x03 \x01(\t\x12\x17\n\x0f\x61\x66ter_iteration\x18\x04 \x01(\x03\x12\x10\n\x08released\x18\x05 \x03(\t\":\n\x0ePromptLogprobs\x12(\n\x06tokens\x18\x01 \x03(\x0b\x32\x18.superinfer.TokenLogprob\"\xe8\x02\n\x0c\x45xecuteReply\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x11\n\texecute_s\x18\x03 \x01(\x01\x12\x38\n\x08logprobs\x18\x04 \x03(\x0b\x32&.superinfer.ExecuteReply.LogprobsEntry\x12\x45\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32,.superinfer.ExecuteReply.PromptLogprobsEntry\x1aI\n\rLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\'\n\x05value\x18\x02 \x01(\x0b\x32\x18.superinfer.TokenLogprob:\x02\x38\x01\x1aQ\n\x13PromptLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12)\n\x05value\x18\x02 \x01(\x0b\x32\x1a.superinfer.PromptLogprobs:\x02\x38\x01\"\x0f\n\rKVPoolRequest\"\xb5\x01\n\x0cKVPoolHandle\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08shm_name\x18\x03 \x01(\t\x12\x17\n\x0f\x63uda_ipc_handle\x18\x04 \x01(\x0c\x12\x14\n\x0c\x64\x65vice_index\x18\x05 \x01(\x05\x12\r\n\x05shape\x18\x06 \x03(\x03\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06nbytes\x18\x08 \x01(\x03\x12\x17\n\x0fshard_shm_names\x18\t \x03(\t2\xd0\x01\n\x06Worker\x12?\n\x07\x45xecute\x12\x1a.superinfer.ExecuteRequest\x1a\x18.superinfer.ExecuteReply\x12@\n\tGetKVPool\x12\x19.superinfer.KVPoolRequest\x1a\x18.superinfer.KVPoolHandle\x12\x43\n\x0cGetModelInfo\x12\x1c.superinfer.ModelInfoRequest\x1a\x15.superinfer.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/worker.proto\x12\nsuperinfer\x1a\x12proto/common.proto\x1a\x15proto/scheduler.proto\"\xbe\x03\n\x05\x43hunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x11\n\tstart_pos\x18\x03 \x01(\x05\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\x05\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12\x13\n\x0btemperature\x18\x06 \x01(\x02\x12\r\n\x05top_p\x18\x07 \x01(\x02\x12\r\n\x05top_k\x18\x08 \x01(\x05\x12\x11\n\x04seed\x18\t \x01(\x03H\x00\x88\x01\x01\x12\x14\n\x0coutput_index\x18\n \x01(\x05\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\r \x01(\x02\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x01\x88\x01\x01\x12\x1e\n\x16prompt_logprob_targets\x18\x0f \x03(\x05\x12\x10\n\x08stateful\x18\x10 \x01(\x08\x12-\n\x05state\x18\x11 \x01(\x0b\x32\x19.superinfer.SamplingStateH\x02\x88\x01\x01\x12\x11\n\tnum_draft\x18\x12 \x01(\x05\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x08\n\x06_state\"\x82\x01\n\x0e\x45xecuteRequest\x12\x11\n\titeration\x18\x01 \x01(\x03\x12!\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x11.superinfer.Chunk\x12\x0f\n\x07pool_id\x18\x03 \x01(\t\x12\x17\n\x0f\x61\x66ter_iteration\x18\x04 \x01(\x03\x12\x10\n\x08released\x18\x05 \x03(\t\":\n\x0ePromptLogprobs\x12(\n\x06tokens\x18\x01 \x03(\x0b\x32\x18.superinfer.TokenLogprob\"\x89\x05\n\x0c\x45xecuteReply\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x11\n\texecute_s\x18\x03 \x01(\x01\x12\x38\n\x08logprobs\x18\x04 \x03(\x0b\x32&.superinfer.ExecuteReply.LogprobsEntry\x12\x45\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32,.superinfer.ExecuteReply.PromptLogprobsEntry\x12\x38\n\x08\x61\x63\x63\x65pted\x18\x06 \x03(\x0b\x32&.superinfer.ExecuteReply.AcceptedEntry\x12I\n\x11\x61\x63\x63\x65pted_logprobs\x18\x07 \x03(\x0b\x32..superinfer.ExecuteReply.AcceptedLogprobsEntry\x1aI\n\rLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\'\n\x05value\x18\x02 \x01(\x0b\x32\x18.superinfer.TokenLogprob:\x02\x38\x01\x1aQ\n\x13PromptLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12)\n\x05value\x18\x02 \x01(\x0b\x32\x1a.superinfer.PromptLogprobs:\x02\x38\x01\x1a\x45\n\rAcceptedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.superinfer.TokenIds:\x02\x38\x01\x1aS\n\x15\x41\x63\x63\x65ptedLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12)\n\x05value\x18\x02 \x01(\x0b\x32\x1a.superinfer.PromptLogprobs:\x02\x38\x01\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x0f\n\rKVPoolRequest\"\xb5\x01\n\x0cKVPoolHandle\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08shm_name\x18\x03 \x01(\t\x12\x17\n\x0f\x63uda_ipc_handle\x18\x04 \x01(\x0c\x12\x14\n\x0c\x64\x65vice_index\x18\x05 \x01(\x05\x12\r\n\x05shape\x18\x06 \x03(\x03\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06nbytes\x18\x08 \x01(\x03\x12\x17\n\x0fshard_shm_names\x18\t \x03(\t2\xd0\x01\n\x06Worker\x12?\n\x07\x45xecute\x12\x1a.superinfer.ExecuteRequest\x1a\x18.superinfer.ExecuteReply\x12@\n\tGetKVPool\x12\x19.superinfer.KVPoolRequest\x1a\x18.superinfer.KVPoolHandle\x12\x43\n\x0cGetModelInfo\x12\x1c.superinfer.ModelInfoRequest\x1a\x15.superinfer.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,22 +37,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EXECUTEREPLY_LOGPROBSENTRY']._serialized_options = b'8\001'
   _globals['_EXECUTEREPLY_PROMPTLOGPROBSENTRY']._loaded_options = None
   _globals['_EXECUTEREPLY_PROMPTLOGPROBSENTRY']._serialized_options = b'8\001'
+  _globals['_EXECUTEREPLY_ACCEPTEDENTRY']._loaded_options = None
+  _globals['_EXECUTEREPLY_ACCEPTEDENTRY']._serialized_options = b'8\001'
+  _globals['_EXECUTEREPLY_ACCEPTEDLOGPROBSENTRY']._loaded_options = None
+  _globals['_EXECUTEREPLY_ACCEPTEDLOGPROBSENTRY']._serialized_options = b'8\001'
   _globals['_CHUNK']._serialized_start=78
-  _globals['_CHUNK']._serialized_end=505
-  _globals['_EXECUTEREQUEST']._serialized_start=508
-  _globals['_EXECUTEREQUEST']._serialized_end=638
-  _globals['_PROMPTLOGPROBS']._serialized_start=640
-  _globals['_PROMPTLOGPROBS']._serialized_end=698
-  _globals['_EXECUTEREPLY']._serialized_start=701
-  _globals['_EXECUTEREPLY']._serialized_end=1061
-  _globals['_EXECUTEREPLY_LOGPROBSENTRY']._serialized_start=905
-  _globals['_EXECUTEREPLY_LOGPROBSENTRY']._serialized_end=978
-  _globals['_EXECUTEREPLY_PROMPTLOGPROBSENTRY']._serialized_start=980
-  _globals['_EXECUTEREPLY_PROMPTLOGPROBSENTRY']._serialized_end=1061
-  _globals['_KVPOOLREQUEST']._serialized_start=1063
-  _globals['_KVPOOLREQUEST']._serialized_end=1078
-  _globals['_KVPOOLHANDLE']._serialized_start=1081
-  _globals['_KVPOOLHANDLE']._serialized_end=1262
-  _globals['_WORKER']._serialized_start=1265
-  _globals['_WORKER']._serialized_end=1473
+  _globals['_CHUNK']._serialized_end=524
+  _globals['_EXECUTEREQUEST']._serialized_start=527
+  _globals['_EXECUTEREQUEST']._serialized_end=657
+  _globals['_PROMPTLOGPROBS']._serialized_start=659
+  _globals['_PROMPTLOGPROBS']._serialized_end=717
+  _globals['_EXECUTEREPLY']._serialized_start=720
+  _globals['_EXECUTEREPLY']._serialized_end=1369
+  _globals['_EXECUTEREPLY_LOGPROBSENTRY']._serialized_start=1057
+  _globals['_EXECUTEREPLY_LOGPROBSENTRY']._serialized_end=1130
+  _globals['_EXECUTEREPLY_PROMPTLOGPROBSENTRY']._serialized_start=1132
+  _globals['_EXECUTEREPLY_PROMPTLOGPROBSENTRY']._serialized_end=1213
+  _globals['_EXECUTEREPLY_ACCEPTEDENTRY']._serialized_start=1215
+  _globals['_EXECUTEREPLY_ACCEPTEDENTRY']._serialized_end=1284
+  _globals['_EXECUTEREPLY_ACCEPTEDLOGPROBSENTRY']._serialized_start=1286
+  _globals['_EXECUTEREPLY_ACCEPTEDLOGPROBSENTRY']._serialized_end=1369
+  _globals['_TOKENIDS']._serialized_start=1371
+  _globals['_TOKENIDS']._serialized_end=1394
+  _globals['_KVPOOLREQUEST']._serialized_start=1396
+  _globals['_KVPOOLREQUEST']._serialized_end=1411
+  _globals['_KVPOOLHANDLE']._serialized_start=1414
+  _globals['_KVPOOLHANDLE']._serialized_end=1595
+  _globals['_WORKER']._serialized_start=1598
+  _globals['_WORKER']._serialized_end=1806
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Chunk(_message.Message):
-    __slots__ = ("request_id", "token_ids", "start_pos", "block_table", "sample", "temperature", "top_p", "top_k", "seed", "output_index", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprob_targets", "stateful", "state")
+    __slots__ = ("request_id", "token_ids", "start_pos", "block_table", "sample", "temperature", "top_p", "top_k", "seed", "output_index", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprob_targets", "stateful", "state", "num_draft")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class Chunk(_message.Message):
     PROMPT_LOGPROB_TARGETS_FIELD_NUMBER: _ClassVar[int]
     STATEFUL_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start_pos: int
@@ -44,7 +45,8 @@ class Chunk(_message.Message):
     prompt_logprob_targets: _containers.RepeatedScalarFieldContainer[int]
     stateful: bool
     state: _common_pb2.SamplingState
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., output_index: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., prompt_logprob_targets: _Optional[_Iterable[int]] = ..., stateful: _Optional[bool] = ..., state: _Optional[_Union[_common_pb2.SamplingState, _Mapping]] = ...) -> None: ...
+    num_draft: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., output_index: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., prompt_logprob_targets: _Optional[_Iterable[int]] = ..., stateful: _Optional[bool] = ..., state: _Optional[_Union[_common_pb2.SamplingState, _Mapping]] = ..., num_draft: _Optional[int] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
     __slots__ = ("iteration", "chunks", "pool_id", "after_iteration", "released")
@@ -67,7 +69,7 @@ class PromptLogprobs(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ExecuteReply(_message.Message):
-    __slots__ = ("request_ids", "token_ids", "execute_s", "logprobs", "prompt_logprobs")
+    __slots__ = ("request_ids", "token_ids", "execute_s", "logprobs", "prompt_logprobs", "accepted", "accepted_logprobs")
     class LogprobsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -82,17 +84,41 @@ class ExecuteReply(_message.Message):
         key: str
         value: PromptLogprobs
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
+    class AcceptedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: TokenIds
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+    class AcceptedLogprobsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: PromptLogprobs
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_S_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     execute_s: float
     logprobs: _containers.MessageMap[str, _common_pb2.TokenLogprob]
     prompt_logprobs: _containers.MessageMap[str, PromptLogprobs]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., execute_s: _Optional[float] = ..., logprobs: _Optional[_Mapping[str, _common_pb2.TokenLogprob]] = ..., prompt_logprobs: _Optional[_Mapping[str, PromptLogprobs]] = ...) -> None: ...
+    accepted: _containers.MessageMap[str, TokenIds]
+    accepted_logprobs: _containers.MessageMap[str, PromptLogprobs]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., execute_s: _Optional[float] = ..., logprobs: _Optional[_Mapping[str, _common_pb2.TokenLogprob]] = ..., prompt_logprobs: _Optional[_Mapping[str, PromptLogprobs]] = ..., accepted: _Optional[_Mapping[str, TokenIds]] = ..., accepted_logprobs: _Optional[_Mapping[str, PromptLogprobs]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVPoolRequest(_message.Message):
     __slots__ = ()

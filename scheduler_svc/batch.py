@@ -26,16 +26,21 @@ class Batch:
     num_decode_tokens: int  # tokens that are decode steps (the rest: prefill)
     kv_epochs: dict[str, int]  # each request's kv_epoch, to settle its chunk against
     new_blocks_needed: int  # requests whose next token now starts a new block
+    num_draft_tokens: int = 0  # drafts to verify (neither decode nor prefill)
 
 
 def build_batch(tokens: Mapping[str, int], requests: Mapping[str, Request],
-                tables: Mapping[str, BlockTable], bs: int) -> Batch:
-    """The batch for the worker: a chunk of `tokens[rid]` tokens per request.
+                tables: Mapping[str, BlockTable], bs: int,
+                drafts: Mapping[str, list[int]] | None = None) -> Batch:
+    """The batch for the worker: a chunk of `tokens[rid]` tokens per request, the last
+    of them `drafts[rid]` where it speculates (scheduler_svc/speculative.py).
 
     The batch counts as computed (in flight) from now on: each request's chunk is
-    advanced as it is built, and a sampling chunk adds its placeholder token."""
+    advanced as it is built (drafts included, until verification rolls the rejected ones
+    back), and a sampling chunk adds its placeholder token."""
     chunks: list[ScheduledChunk] = []
     decode = 0
+    drafted = 0
     new_blocks = 0
     epochs: dict[str, int] = {}
     new_chunk = ScheduledChunk
@@ -43,7 +48,8 @@ def build_batch(tokens: Mapping[str, int], requests: Mapping[str, Request],
     for rid, n in tokens.items():  # one per request in the batch: kept lean
         req = requests[rid]
         start = req.num_computed_tokens
-        end = start + n
+        proposed = drafts.get(rid) if drafts else None
+        end = start + n - (len(proposed) if proposed else 0)  # the known tokens' end
         prompt, output = req.prompt_token_ids, req.output_token_ids
         p = len(prompt)
         known = p + len(output)
@@ -59,7 +65,7 @@ def build_batch(tokens: Mapping[str, int], requests: Mapping[str, Request],
         sample = end == known + placeholders  # the request's num_tokens
         # A decode step computes the one token sampled last iteration; anything else
         # (prompt chunks, recompute after preemption) counts as prefill.
-        if n == 1 and sample and start >= p:
+        if end - start == 1 and sample and start >= p:
             decode += 1
         s = req.sampling
         # The live table (see ScheduledChunk); a running request holds every block
@@ -69,16 +75,20 @@ def build_batch(tokens: Mapping[str, int], requests: Mapping[str, Request],
                           len(output) + placeholders)
         if req.chunk_extras:
             sampling_fields(req, chunk, end)
+        if proposed:
+            ids.extend(proposed)
+            chunk.num_draft = len(proposed)
+            drafted += len(proposed)
         add(chunk)
         # In flight from now on (len(ids) == n).
-        req.num_computed_tokens = end
+        req.num_computed_tokens = start + n
         req.num_inflight_tokens += n
         epochs[rid] = req.kv_epoch
         if sample:
             req.num_placeholders = placeholders = placeholders + 1
             if (known + placeholders) % bs == 0:
                 new_blocks += 1  # the next token starts a new block
-    return Batch(chunks, decode, epochs, new_blocks)
+    return Batch(chunks, decode, epochs, new_blocks, drafted)
 
 
 def sampling_fields(req: Request, c: ScheduledChunk, end: int) -> None:

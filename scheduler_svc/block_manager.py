@@ -220,6 +220,20 @@ class BlockManager:
         self.pool.unref_device([b for b in t.device if b is not None])
         self.pool.unref_host([b for b in t.host if b is not None])
 
+    def truncate(self, req: Request) -> None:
+        """Speculative rollback: the blocks past the request's computed tokens (they held
+        only rejected drafts) go back. Never named nor copied: none of them was synced."""
+        t = self._tables.get(req.request_id)
+        keep = self.blocks_for(req.num_computed_tokens)
+        if t is None or len(t.device) <= keep:
+            return
+        dev = [b for b in t.device[keep:] if b is not None]
+        host = [b for b in t.host[keep:] if b is not None]
+        t.device = t.device[:keep]  # a new list: see BlockTable
+        del t.host[keep:]
+        self.pool.unref_device(dev)
+        self.pool.unref_host(host)
+
     def drop_to_recompute(self, req: Request) -> None:
         """Forget the request's KV in both tiers; it recomputes from its tokens (a chunk of
         it still in flight writes KV that no longer counts: a new kv_epoch)."""

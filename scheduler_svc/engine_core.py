@@ -172,6 +172,9 @@ class EngineCore:
         """The iteration, at pipeline depth 0 (serial) or 1 (pipelined): the module doc."""
         sched, pipelined = self.scheduler, self.pipeline
         await self._finish_after()  # planning must not hand out blocks those copies touch
+        if self._batch is not None and self._batch.out.num_draft_tokens:
+            # How far its speculating requests got decides the next plan: land it first.
+            await self._land_batch()
         # -- plan
         start = sched.clock()
         out = sched.schedule()
@@ -311,15 +314,19 @@ class EngineCore:
         if copies is not None:
             self._give_up(copies.plan)
 
+    async def _land_batch(self) -> None:
+        """Wait for the batch in flight and apply its output."""
+        if self._batch is not None:
+            batch, self._batch = self._batch, None
+            t0 = self.timer()
+            result = await batch.task
+            self._executed(result, self.timer() - batch.launched, self.timer() - t0)
+            self._land(batch.out, result)
+
     async def drain(self) -> list[RequestEvent]:
         """Let the batch and copies in flight finish; return the tokens that landed."""
         try:
-            if self._batch is not None:
-                batch, self._batch = self._batch, None
-                t0 = self.timer()
-                result = await batch.task
-                self._executed(result, self.timer() - batch.launched, self.timer() - t0)
-                self._land(batch.out, result)
+            await self._land_batch()
             await self._finish_after()
         except BaseException:
             await self._stop_tasks()

@@ -45,10 +45,13 @@ class SchedulerOutput:
     # Requests finished since the last batch whose sampling state the worker may hold
     # (worker/sampling_state.py): it drops them before running this batch.
     released: list[str] = field(default_factory=list)
+    # Draft tokens its chunks verify (speculative decoding): how far each of those requests
+    # gets decides the next plan, so a pipelined step lands this batch before planning.
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_tokens
+        return self.num_prefill_tokens + self.num_decode_tokens + self.num_draft_tokens
 
 
 class Executor(Protocol):

@@ -123,6 +123,8 @@ class Request:
     priority: int = 0
     tenant: str = ""  # from the API key ("": no tenants file); labels per-tenant statistics
     weight: float = 1.0  # the tenant's weight: its share when tenants contend (policy/shares.py)
+    # May it speculate where the server does (--speculative-config)? A request turns it off.
+    speculative: bool = True
 
     output_token_ids: list[int] = field(default_factory=list)
     # KV of tokens [0, num_computed_tokens) is in the cache (device, or host when rotary),

@@ -17,7 +17,7 @@ import itertools
 import time
 from collections.abc import Callable
 
-from common.contracts import ExecuteResult
+from common.contracts import ExecuteResult, ScheduledChunk
 from scheduler_svc.batch import build_batch, new_prompt_logprobs
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.fork import ForkGroups, shared_blocks
@@ -41,6 +41,7 @@ from scheduler_svc.queue import RequestQueue
 from scheduler_svc.recovery import Recovery, RecoveryMixin
 from scheduler_svc.request import FinishReason, Request, RequestState
 from scheduler_svc.scheduler_config import RequestEvent, SchedulerConfig, SchedulerStats
+from scheduler_svc.speculative import Speculator
 from scheduler_svc.turnover import Turnover
 
 __all__ = ["Recovery", "RequestEvent", "Scheduler", "SchedulerConfig", "SchedulerStats"]
@@ -82,6 +83,8 @@ class Scheduler(RecoveryMixin):
         self.iteration = 0
         # The tenants' service, for fair shares across them (policy/shares.py).
         self.shares = Ledger(config.fairness, config.num_device_blocks)
+        # Speculative decoding (--speculative-config): None where it is off.
+        self.speculator = Speculator(config.speculative) if config.speculative else None
         self.stats = SchedulerStats()
         self.finished_log: list[Request] = []  # finished requests not yet collected
         # Planned iterations whose output has not landed: their batches are in flight.
@@ -181,6 +184,8 @@ class Scheduler(RecoveryMixin):
         req.finish_reason = reason
         req.close_blame(now)
         self.shares.remove(req)
+        if self.speculator is not None:
+            self.speculator.forget(req.request_id)
         self.policy.observe_finish(req)
         req.set_state(RequestState.FINISHED, now)
         del self.requests[req.request_id]
@@ -279,9 +284,11 @@ class Scheduler(RecoveryMixin):
                                itertools.chain(self.waiting, self.rotary))
         else:
             self.shares.charge(plan.now, {}, self.requests, ())
-        batch = build_batch(plan.tokens, self.requests, self.bm.tables, self.config.block_size)
+        batch = build_batch(plan.tokens, self.requests, self.bm.tables, self.config.block_size,
+                            plan.drafts)
         self._blocks_needed += batch.new_blocks_needed
         chunks, decode, epochs = batch.chunks, batch.num_decode_tokens, batch.kv_epochs
+        drafted = batch.num_draft_tokens
         decision = time.perf_counter() - t0
         self.stats.iterations += 1
         self.stats.decision_s_total += decision
@@ -291,8 +298,9 @@ class Scheduler(RecoveryMixin):
             iteration=self.iteration,
             chunks=chunks,
             transfers=transfers,
-            num_prefill_tokens=total - decode,
+            num_prefill_tokens=total - decode - drafted,
             num_decode_tokens=decode,
+            num_draft_tokens=drafted,
             decision_s=decision,
             num_running=len(self.running),
             rotated_out=plan.out,
@@ -423,6 +431,10 @@ class Scheduler(RecoveryMixin):
             req = self.requests.get(chunk.request_id)
             if req is None:
                 continue  # finished or aborted while the batch ran
+            if chunk.num_draft:
+                events.append(self._land_drafts(req, chunk, result,
+                                                req.kv_epoch == epochs[chunk.request_id], now))
+                continue
             if req.kv_epoch == epochs[chunk.request_id]:
                 req.num_inflight_tokens -= len(chunk.token_ids)
                 if caching:
@@ -452,6 +464,45 @@ class Scheduler(RecoveryMixin):
                                        [lp] if lp is not None else None, prompt_lps))
         self._landed(out)
         return events
+
+    def _land_drafts(self, req: Request, chunk: ScheduledChunk, result: ExecuteResult,
+                     same_kv: bool, now: float) -> RequestEvent:
+        """A speculative chunk landed: its tokens up to the first that ends the request
+        are appended, its KV past them is rolled back (scheduler_svc/speculative.py)."""
+        rid = req.request_id
+        tokens = result.tokens_of(rid)
+        assert self.speculator is not None
+        self.speculator.stats.record(chunk.num_draft, len(tokens) - 1)
+        before = self._next_token_blocks(req)
+        queue = self._queue_of(req)
+        if queue is not None:
+            queue.remove(req)
+        reason = None
+        kept = 0
+        for tok in tokens:
+            req.append_token(tok, now)
+            kept += 1
+            reason = req.check_stop()
+            if reason is not None:
+                break
+        if queue is not None:
+            queue.append(req)
+        self._blocks_needed += self._next_token_blocks(req) - before
+        if same_kv:
+            req.num_inflight_tokens -= len(chunk.token_ids)
+            # KV stands for the last known token and the drafts that were accepted (the
+            # tokens kept, but the last); the rest of the chunk's slots roll back.
+            req.num_computed_tokens = min(req.num_computed_tokens, chunk.start_pos + kept)
+            self.bm.truncate(req)
+            if self.config.enable_prefix_caching:
+                self.bm.cache_full_blocks(req)
+        if reason is not None:
+            self._finish(req, reason, now)
+        lps = None
+        first = result.logprobs.get(rid)
+        if first is not None:
+            lps = [first, *result.accepted_logprobs.get(rid, ())][:kept]
+        return RequestEvent(rid, tokens[:kept], reason, lps)
 
     def _fork_followers(self, leader: Request, now: float) -> None:
         """The leader's prompt blocks are settled on the device: its followers share them."""

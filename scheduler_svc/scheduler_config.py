@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from common.contracts import TokenLogprob
+from common.speculative import SpeculativeConfig
 from scheduler_svc.request import FinishReason
 
 # Eager D2H copies of full blocks per iteration in `serve` (DuplexKV; 0: off). The
@@ -40,6 +41,8 @@ class SchedulerConfig:
     # Across tenants (policy/shares.py): "shares" (tokens and device memory, by weight),
     # "vtc" (tokens only, the baseline) or "global" (the policy's order across tenants).
     fairness: str = "shares"
+    # Speculative decoding (--speculative-config; scheduler_svc/speculative.py). None: off.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_device_blocks < 1:

@@ -52,6 +52,7 @@ def scheduler_config(
         pipelined=cfg.pipeline,
         enable_prefix_caching=cfg.enable_prefix_caching,
         model_id=model_id,
+        speculative=cfg.speculative_config,
     )
 
 

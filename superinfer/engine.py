@@ -183,11 +183,12 @@ class LLMEngine:
             tracker = self.trackers.get(ev.request_id)
             if tracker is None:
                 continue
+            tracker.feed(ev.new_token_ids)
             if ev.logprobs:
-                self.logprobs.setdefault(ev.request_id, []).extend(ev.logprobs)
+                self.logprobs.setdefault(ev.request_id, []).extend(
+                    ev.logprobs[: tracker.last_used])
             if ev.prompt_logprobs:
                 self.prompt_logprobs.setdefault(ev.request_id, []).extend(ev.prompt_logprobs)
-            tracker.feed(ev.new_token_ids)
             if ev.finish_reason is None and tracker.stopped:
                 # A stop string matched in the text: finish here, like an EOS.
                 sched.stop(ev.request_id)
@@ -231,7 +232,8 @@ class LLMEngine:
                 prompt=texts[i] if texts else "",
                 prompt_token_ids=req.prompt_token_ids,
                 text=tracker.text,
-                token_ids=list(req.output_token_ids),
+                # Up to a stop string's token (a speculative step may land more).
+                token_ids=req.output_token_ids[: tracker.num_tokens],
                 finish_reason=done[rid].value,
                 metrics=req.summary(time.monotonic()),
                 logprobs=self.logprobs.pop(rid, []),

@@ -87,12 +87,17 @@ def build_meta(chunks: Sequence[ScheduledChunk], block_size: int, sdpa_fresh: bo
         logits = np.arange(T, dtype=np.int64)
     else:
         sample = np.fromiter((c.sample for c in chunks), dtype=bool, count=R)
-        logits = (first + lens - 1)[sample]
+        drafts = np.fromiter((c.num_draft for c in chunks), dtype=np.int64, count=R)
+        # A speculative chunk samples at its last known token, before its drafts.
+        logits = (first + lens - 1 - drafts)[sample]
         # Echo: after the sampled rows, every row whose prompt logprob is asked for.
-        echo = [np.arange(first[i], first[i] + len(c.prompt_logprob_targets), dtype=np.int64)
-                for i, c in enumerate(chunks) if c.prompt_logprob_targets]
-        if echo:
-            logits = np.concatenate([logits, *echo])
+        extra = [np.arange(first[i], first[i] + len(c.prompt_logprob_targets), dtype=np.int64)
+                 for i, c in enumerate(chunks) if c.prompt_logprob_targets]
+        # Then each speculative chunk's draft rows, which verify it (logits_processing.py).
+        extra += [np.arange(first[i] + lens[i] - c.num_draft, first[i] + lens[i], dtype=np.int64)
+                  for i, c in enumerate(chunks) if c.num_draft]
+        if extra:
+            logits = np.concatenate([logits, *extra])
     return PagedMeta(
         input_ids=torch.tensor(ids, dtype=torch.long),
         positions=torch.from_numpy(np.ascontiguousarray(pos)),

@@ -66,7 +66,10 @@ class BatchRunner:
             self._release(released)
         chunks = self._fill_placeholders(after, chunks)
         result = self._execute(chunks)
-        self._ran, self._sampled = iteration, result.sampled
+        sampled = result.sampled
+        if result.accepted:  # a placeholder stands for a request's last token
+            sampled = {**sampled, **{r: t[-1] for r, t in result.accepted.items()}}
+        self._ran, self._sampled = iteration, sampled
         return result
 
     def _fill_placeholders(self, after: int, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:

@@ -210,15 +210,52 @@ def prompt_logprobs(extra: torch.Tensor, chunks: Sequence[ScheduledChunk]
     return out
 
 
+def verify_drafts(rows: torch.Tensor, chunks: Sequence[ScheduledChunk],
+                  first: dict[str, int], result: ExecuteResult) -> None:
+    """Greedy verification of the speculative chunks' drafts. `rows`: their draft rows'
+    raw logits, in chunk order (row j of a chunk follows its draft j); `first`: the token
+    each sampled at its last known token. A draft is accepted while it equals the model's
+    own choice at the row before it; each accepted draft's row gives one more token."""
+    spec = [c for c in chunks if c.num_draft]
+    if not spec:
+        return
+    choice = rows.argmax(dim=-1).tolist()
+    at = 0
+    for c in spec:
+        k, rid = c.num_draft, c.request_id
+        if c.stateful or not (c.temperature == 0.0 or c.top_k == 1):
+            raise ValueError(f"{rid}: drafts are verified greedily, for requests without "
+                             "penalties, bias or grammar (the scheduler sends no others)")
+        drafts = c.token_ids[-k:]
+        prev, kept = first[rid], []
+        for j in range(k):
+            if prev != drafts[j]:
+                break
+            prev = choice[at + j]
+            kept.append(prev)
+        if kept:
+            result.accepted[rid] = kept
+            if c.logprobs >= 0:
+                lp = token_logprobs(rows[at : at + len(kept)], torch.tensor(kept), c.logprobs)
+                result.accepted_logprobs[rid] = _rows(lp, [c.logprobs] * len(kept))
+        at += k
+
+
 def batch_result(logits: torch.Tensor, chunks: Sequence[ScheduledChunk],
                  samplers: Sequence[ScheduledChunk], tokens: list[int],
                  execute_s: float) -> ExecuteResult:
-    """A runner's answer for one batch: what each sampling chunk chose, and the logprobs
-    asked for. `logits`: the forward pass's rows (the sampled ones, then echo's), raw."""
+    """A runner's answer for one batch: what each sampling chunk chose, the drafts it
+    verified, and the logprobs asked for. `logits`: the forward pass's rows (the sampled
+    ones, then echo's, then the draft rows), raw."""
     n = len(samplers)
-    return ExecuteResult(
-        sampled={c.request_id: t for c, t in zip(samplers, tokens, strict=True)},
+    sampled = {c.request_id: t for c, t in zip(samplers, tokens, strict=True)}
+    result = ExecuteResult(
+        sampled=sampled,
         execute_s=execute_s,
         logprobs=sampled_logprobs(logits[:n], samplers, tokens),
         prompt_logprobs=prompt_logprobs(logits[n:], chunks),
     )
+    drafted = sum(c.num_draft for c in chunks)
+    if drafted:
+        verify_drafts(logits[len(logits) - drafted :], chunks, sampled, result)
+    return result

@@ -21,12 +21,16 @@ def schedule_running(state: SchedulingState, order: Sequence[Request], plan: Pla
     # try_grow's fast path (the tokens fit the blocks it holds: most decode steps).
     budget = plan.budget
     last = len(order) - 1
+    spec = state.speculator
     for i, req in enumerate(order):
         if req.state is not running:
             continue  # preempted earlier in this loop
         placeholders = req.num_placeholders
-        if placeholders and req.finishes_when_outputs_land:
-            continue  # its last token is being sampled; nothing left to compute
+        if placeholders and (req.finishes_when_outputs_land
+                             or (spec is not None and spec.sits_out(req))):
+            # Its last token is being sampled: nothing left to compute, or it is copying
+            # from its context and proposes drafts once that token is known.
+            continue
         computed = req.num_computed_tokens
         n = len(req.prompt_token_ids) + len(req.output_token_ids) + placeholders - computed
         if n > 1 and n > budget - (last - i):
@@ -41,6 +45,14 @@ def schedule_running(state: SchedulingState, order: Sequence[Request], plan: Pla
             continue
         rid = req.request_id
         t = tables.get(rid)
+        if n == 1 and spec is not None and not placeholders:
+            # A decode whose last token is known: drafts, where they fit (the budget left
+            # after a token for each request after it, and free blocks without preempting).
+            drafts = spec.drafts(req, budget - 1 - (last - i))
+            if drafts and try_grow(req, 1 + len(drafts)):
+                n += len(drafts)
+                plan.drafts[rid] = drafts
+                t = tables.get(rid)
         if (t is None or computed + n > len(t.device) * bs) and not try_grow(req, n):
             plan.budget = budget
             while not try_grow(req, n):

@@ -27,6 +27,8 @@ class Plan:
     now: float
     budget: int
     tokens: dict[str, int] = field(default_factory=dict)  # request_id -> tokens scheduled
+    # request_id -> the drafts its decode chunk verifies (counted in `tokens`)
+    drafts: dict[str, list[int]] = field(default_factory=dict)
     preempted: bool = False
     xfer_used: int = 0
     out: list[str] = field(default_factory=list)
@@ -115,6 +117,19 @@ class Queue(Protocol):
     def min_tokens(self) -> int | None: ...
 
 
+class Speculation(Protocol):
+    """What schedule_running asks of speculative decoding."""
+
+    def drafts(self, req: Request, limit: int) -> list[int]:
+        """At most `limit` drafts for a decode whose last token is known."""
+        ...
+
+    def sits_out(self, req: Request) -> bool:
+        """Pipelined: should a request whose last token is in flight skip this plan, so
+        that the next one can propose from that token?"""
+        ...
+
+
 class SchedulingState(Protocol):
     """The scheduler as its decisions see it, and the actions they take on it."""
 
@@ -122,6 +137,8 @@ class SchedulingState(Protocol):
     seat_limit: int  # seats this iteration (max_num_seqs, or fewer under a time budget)
     iteration: int
     shares: Ledger  # the tenants' service (policy/shares.py)
+    # Speculative decoding (scheduler_svc/speculative.py); None: off.
+    speculator: Speculation | None
 
     @property
     def blocks(self) -> BlockView: ...

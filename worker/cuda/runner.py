@@ -82,6 +82,9 @@ class CudaModelRunner:
         t0 = time.perf_counter()
         if not chunks:
             return ExecuteResult(sampled={}, execute_s=0.0)
+        if any(c.num_draft for c in chunks):
+            raise ValueError("speculative decoding runs on the CPU executor only so far: "
+                             "serve --device cuda without --speculative-config")
         samplers = [c for c in chunks if c.sample]
         # Before the forward pass, as on the CPU: a state that cannot be brought up to date
         # fails the batch before it writes any KV.
