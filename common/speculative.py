@@ -91,6 +91,9 @@ class SpeculativeConfig:
             kw["prompt_lookup_max"] = hi
         return cls(**kw)
 
+    def __str__(self) -> str:  # the flag's value again (serve passes it to the scheduler)
+        return self.to_json()
+
     def to_json(self) -> str:
         return json.dumps({"method": self.method,
                            "num_speculative_tokens": self.num_speculative_tokens,

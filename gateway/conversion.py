@@ -75,12 +75,13 @@ class InternalRequest:
     priority: int = 0  # as asked; the tenant bounds it (gateway/tenants.py)
     tenant: str = ""  # set once the request's tenant is known
     weight: float = 1.0  # the tenant's
+    speculative: bool = True  # False: the request turned speculative decoding off
 
     def scheduler_request(self, request_id: str) -> scheduler_pb2.GenerateRequest:
         return scheduler_pb2.GenerateRequest(
             request_id=request_id, prompt_token_ids=self.prompt_ids, sampling=self.sampling,
             slo=self.slo, n=self.n if self.n > 1 else 0, priority=self.priority,
-            tenant=self.tenant, weight=self.weight,
+            tenant=self.tenant, weight=self.weight, no_speculation=not self.speculative,
         )
 
 
@@ -227,7 +228,7 @@ def _from_body(body: SamplingRequest, model: ModelState, ids: list[int], max_tok
     )
     return InternalRequest(prompt_ids=ids, sampling=sampling, slo=slo(body.slo),
                            stop=body.stop_strings, n=choices, prompt_text=prompt_text,
-                           priority=body.priority)
+                           priority=body.priority, speculative=body.speculative)
 
 
 def _size(prompt: Any) -> int:
@@ -291,7 +292,8 @@ async def from_client(message: client_pb2.ClientGenerateRequest, model: ModelSta
         raise invalid("SLOs must be >= 0 seconds (0: server default)", "slo")
     return InternalRequest(prompt_ids=ids, sampling=sampling, slo=message.slo,
                            stop=tuple(message.stop), n=message.n or 1,
-                           priority=message.priority)
+                           priority=message.priority,
+                           speculative=not message.no_speculation)
 
 
 # -- prompt token ids ----------------------------------------------------------------------

@@ -17,7 +17,7 @@ same scrape, so the two never disagree. docs/metrics.md lists every series.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import (
@@ -203,6 +203,17 @@ SCHEDULER_SERIES: dict[str, Series] = {
         "Device KV block-seconds the tenant's running requests held (fair shares count them)"),
     **{f"slo_miss_{slo}_{phase}_s": _miss(slo, phase) for slo in ("ttft", "tbt")
        for phase in _PHASES},
+    # speculative decoding (--speculative-config), vLLM's counters
+    "spec_decode_num_drafts": _counter(_S + "spec_decode_drafts",
+                                       "Decode chunks that carried drafts to verify"),
+    "spec_decode_num_draft_tokens": _counter(_S + "spec_decode_draft_tokens",
+                                             "Draft tokens proposed and verified"),
+    "spec_decode_num_accepted_tokens": _counter(_S + "spec_decode_accepted_tokens",
+                                                "Draft tokens the model agreed with"),
+    # `spec_decode_num_accepted_tokens_per_pos:<i>` (SUFFIX_LABELS)
+    "spec_decode_num_accepted_tokens_per_pos": _counter(
+        _S + "spec_decode_accepted_tokens_per_pos",
+        "Draft tokens accepted at each position of the drafts (0: the first)"),
     # outages of the worker or kvmem (DESIGN 6)
     "backend_errors": _counter(_S + "backend_errors", "Iterations that failed"),
     "recoveries": _counter(_S + "recoveries",
@@ -333,9 +344,14 @@ def kv_usage(total: int, free: int) -> float:
 
 
 # Keys whose part after ":" is a label's value (not a histogram's part).
-SUFFIX_LABELS = {"slo_miss_blame_s": "behind"}
+SUFFIX_LABELS = {"slo_miss_blame_s": "behind",
+                 "spec_decode_num_accepted_tokens_per_pos": "position"}
 # Sent only once requests of several tenants were seen (a server with a tenants file).
 TENANTS_ONLY = frozenset({"slo_miss_blame_s", "service_tokens", "device_block_seconds"})
+# Sent only by a scheduler that speculates (--speculative-config).
+SPECULATIVE_ONLY = frozenset({"spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                              "spec_decode_num_accepted_tokens",
+                              "spec_decode_num_accepted_tokens_per_pos"})
 
 
 def scheduler_families(counters: dict[str, float]) -> Iterator[Metric]:
@@ -438,6 +454,8 @@ class VLLMView(Collector):
                 counter = CounterMetricFamily(name, help, labels=names)
                 counter.add_metric(values, s.counters.get(key, 0.0))
                 yield counter
+            if "spec_decode_num_drafts" in s.counters:
+                yield from _spec_decode(s.counters, names, values)
         for tokens, name, help in [
             (m.prompt_tokens, "vllm:prompt_tokens", "Number of prefill tokens processed."),
             (m.generation_tokens, "vllm:generation_tokens", "Number of generation tokens processed."),
@@ -462,6 +480,27 @@ class VLLMView(Collector):
         for reason in VLLM_FINISHED_REASONS:
             success.add_metric([*values, reason], by_status.get(reason, 0.0))
         yield success
+
+
+def _spec_decode(counters: Mapping[str, float], names: list[str], values: list[str]
+                 ) -> Iterator[Metric]:
+    """vLLM's speculative-decoding counters, from the scheduler's."""
+    for key, help in [
+        ("spec_decode_num_drafts", "Number of spec decoding drafts."),
+        ("spec_decode_num_draft_tokens", "Number of draft tokens."),
+        ("spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+    ]:
+        counter = CounterMetricFamily("vllm:" + key, help, labels=names)
+        counter.add_metric(values, counters.get(key, 0.0))
+        yield counter
+    per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Accepted tokens per draft position.",
+                                  labels=[*names, "position"])
+    prefix = "spec_decode_num_accepted_tokens_per_pos:"
+    positions = sorted(int(k[len(prefix):]) for k in counters if k.startswith(prefix))
+    for i in positions:
+        per_pos.add_metric([*values, str(i)], counters[f"{prefix}{i}"])
+    yield per_pos
 
 
 def _renamed(families: Iterable[Metric], name: str, help: str, labels: dict[str, str]

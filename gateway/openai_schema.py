@@ -91,6 +91,9 @@ class SamplingRequest(_Request):
     repetition_penalty: float | None = Field(None, gt=0, le=2)  # vLLM's extra
     # vLLM's extra: lower is served first; a tenant's requests are bounded by its own.
     priority: int = Field(0, ge=INT32_MIN, le=INT32_MAX)
+    # SuperInfer's extra: false turns speculative decoding off for this request (it
+    # speculates where the server does, --speculative-config).
+    speculative: bool = True
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
     response_format: ResponseFormat | None = None
     # vLLM's structured-output extras.

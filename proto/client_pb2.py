@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto import common_pb2 as proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/client.proto\x12\nsuperinfer\x1a\x12proto/common.proto\"\xdb\x01\n\x15\x43lientGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.superinfer.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x1c\n\x03slo\x18\x06 \x01(\x0b\x32\x0f.superinfer.SLO\x12\r\n\x05model\x18\x07 \x01(\t\x12\t\n\x01n\x18\x08 \x01(\x05\x12\x10\n\x08priority\x18\t \x01(\x05\"\x98\x02\n\x13\x43lientGenerateEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\x05\x12\x15\n\rcached_tokens\x18\x07 \x01(\x05\x12\r\n\x05index\x18\x08 \x01(\x05\x12*\n\x08logprobs\x18\t \x03(\x0b\x32\x18.superinfer.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.superinfer.TokenLogprob\"(\n\x12\x43lientAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"!\n\x10\x43lientAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xa5\x01\n\nSuperInfer\x12P\n\x08Generate\x12!.superinfer.ClientGenerateRequest\x1a\x1f.superinfer.ClientGenerateEvent0\x01\x12\x45\n\x05\x41\x62ort\x12\x1e.superinfer.ClientAbortRequest\x1a\x1c.superinfer.ClientAbortReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/client.proto\x12\nsuperinfer\x1a\x12proto/common.proto\"\xf3\x01\n\x15\x43lientGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.superinfer.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x1c\n\x03slo\x18\x06 \x01(\x0b\x32\x0f.superinfer.SLO\x12\r\n\x05model\x18\x07 \x01(\t\x12\t\n\x01n\x18\x08 \x01(\x05\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x16\n\x0eno_speculation\x18\n \x01(\x08\"\x98\x02\n\x13\x43lientGenerateEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\x05\x12\x15\n\rcached_tokens\x18\x07 \x01(\x05\x12\r\n\x05index\x18\x08 \x01(\x05\x12*\n\x08logprobs\x18\t \x03(\x0b\x32\x18.superinfer.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.superinfer.TokenLogprob\"(\n\x12\x43lientAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"!\n\x10\x43lientAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xa5\x01\n\nSuperInfer\x12P\n\x08Generate\x12!.superinfer.ClientGenerateRequest\x1a\x1f.superinfer.ClientGenerateEvent0\x01\x12\x45\n\x05\x41\x62ort\x12\x1e.superinfer.ClientAbortRequest\x1a\x1c.superinfer.ClientAbortReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.client_pb2', _globals
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CLIENTGENERATEREQUEST']._serialized_start=55
-  _globals['_CLIENTGENERATEREQUEST']._serialized_end=274
-  _globals['_CLIENTGENERATEEVENT']._serialized_start=277
-  _globals['_CLIENTGENERATEEVENT']._serialized_end=557
-  _globals['_CLIENTABORTREQUEST']._serialized_start=559
-  _globals['_CLIENTABORTREQUEST']._serialized_end=599
-  _globals['_CLIENTABORTREPLY']._serialized_start=601
-  _globals['_CLIENTABORTREPLY']._serialized_end=634
-  _globals['_SUPERINFER']._serialized_start=637
-  _globals['_SUPERINFER']._serialized_end=802
+  _globals['_CLIENTGENERATEREQUEST']._serialized_end=298
+  _globals['_CLIENTGENERATEEVENT']._serialized_start=301
+  _globals['_CLIENTGENERATEEVENT']._serialized_end=581
+  _globals['_CLIENTABORTREQUEST']._serialized_start=583
+  _globals['_CLIENTABORTREQUEST']._serialized_end=623
+  _globals['_CLIENTABORTREPLY']._serialized_start=625
+  _globals['_CLIENTABORTREPLY']._serialized_end=658
+  _globals['_SUPERINFER']._serialized_start=661
+  _globals['_SUPERINFER']._serialized_end=826
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ClientGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "stop", "slo", "model", "n", "priority")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "stop", "slo", "model", "n", "priority", "no_speculation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class ClientGenerateRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    NO_SPECULATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -27,7 +28,8 @@ class ClientGenerateRequest(_message.Message):
     model: str
     n: int
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., slo: _Optional[_Union[_common_pb2.SLO, _Mapping]] = ..., model: _Optional[str] = ..., n: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
+    no_speculation: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., slo: _Optional[_Union[_common_pb2.SLO, _Mapping]] = ..., model: _Optional[str] = ..., n: _Optional[int] = ..., priority: _Optional[int] = ..., no_speculation: _Optional[bool] = ...) -> None: ...
 
 class ClientGenerateEvent(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "index", "logprobs", "prompt_logprobs")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto import common_pb2 as proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15proto/scheduler.proto\x12\nsuperinfer\x1a\x12proto/common.proto\"\xc8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.superinfer.SamplingParams\x12\x1c\n\x03slo\x18\x04 \x01(\x0b\x32\x0f.superinfer.SLO\x12\t\n\x01n\x18\x05 \x01(\x05\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x0e\n\x06tenant\x18\x07 \x01(\t\x12\x0e\n\x06weight\x18\x08 \x01(\x02\"\xb2\x02\n\nTokenEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x15\n\routput_tokens\x18\x05 \x01(\x05\x12\x14\n\x0csummary_json\x18\x06 \x01(\t\x12\x15\n\rcached_tokens\x18\x07 \x01(\x05\x12\r\n\x05index\x18\x08 \x01(\x05\x12*\n\x08logprobs\x18\t \x03(\x0b\x32\x18.superinfer.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.superinfer.TokenLogprob\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x0e\n\x06stream\x18\x0c \x01(\x04\")\n\x10SubscribeRequest\x12\x15\n\rsubscriber_id\x18\x01 \x01(\t\"4\n\nTokenBatch\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.superinfer.TokenEvent\"d\n\rSubmitRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.superinfer.GenerateRequest\x12\x15\n\rsubscriber_id\x18\x02 \x01(\t\x12\x0e\n\x06stream\x18\x03 \x01(\x04\"!\n\x0bSubmitReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\x95\x02\n\nStatsReply\x12\x0f\n\x07waiting\x18\x01 \x01(\x05\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0e\n\x06rotary\x18\x03 \x01(\x05\x12\x1b\n\x13\x64\x65vice_blocks_total\x18\x04 \x01(\x05\x12\x1a\n\x12\x64\x65vice_blocks_free\x18\x05 \x01(\x05\x12\x19\n\x11host_blocks_total\x18\x06 \x01(\x05\x12\x18\n\x10host_blocks_free\x18\x07 \x01(\x05\x12\x36\n\x08\x63ounters\x18\x08 \x03(\x0b\x32$.superinfer.StatsReply.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x12\n\x10ModelInfoRequest\"\xa5\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x13\n\x0bsource_kind\x18\t \x01(\t\x12\x13\n\x0bsource_path\x18\n \x01(\t\x12\x1a\n\x12kv_events_endpoint\x18\x0b \x01(\t\x12!\n\x19kv_events_replay_endpoint\x18\x0c \x01(\t\x12\x17\n\x0fkv_events_topic\x18\r \x01(\t2\x8f\x03\n\tScheduler\x12\x41\n\x08Generate\x12\x1b.superinfer.GenerateRequest\x1a\x16.superinfer.TokenEvent0\x01\x12\x43\n\tSubscribe\x12\x1c.superinfer.SubscribeRequest\x1a\x16.superinfer.TokenBatch0\x01\x12<\n\x06Submit\x12\x19.superinfer.SubmitRequest\x1a\x17.superinfer.SubmitReply\x12\x39\n\x05\x41\x62ort\x12\x18.superinfer.AbortRequest\x1a\x16.superinfer.AbortReply\x12<\n\x08GetStats\x12\x18.superinfer.StatsRequest\x1a\x16.superinfer.StatsReply\x12\x43\n\x0cGetModelInfo\x12\x1c.superinfer.ModelInfoRequest\x1a\x15.superinfer.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15proto/scheduler.proto\x12\nsuperinfer\x1a\x12proto/common.proto\"\xe0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.superinfer.SamplingParams\x12\x1c\n\x03slo\x18\x04 \x01(\x0b\x32\x0f.superinfer.SLO\x12\t\n\x01n\x18\x05 \x01(\x05\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x0e\n\x06tenant\x18\x07 \x01(\t\x12\x0e\n\x06weight\x18\x08 \x01(\x02\x12\x16\n\x0eno_speculation\x18\t \x01(\x08\"\xb2\x02\n\nTokenEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x15\n\routput_tokens\x18\x05 \x01(\x05\x12\x14\n\x0csummary_json\x18\x06 \x01(\t\x12\x15\n\rcached_tokens\x18\x07 \x01(\x05\x12\r\n\x05index\x18\x08 \x01(\x05\x12*\n\x08logprobs\x18\t \x03(\x0b\x32\x18.superinfer.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.superinfer.TokenLogprob\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x0e\n\x06stream\x18\x0c \x01(\x04\")\n\x10SubscribeRequest\x12\x15\n\rsubscriber_id\x18\x01 \x01(\t\"4\n\nTokenBatch\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.superinfer.TokenEvent\"d\n\rSubmitRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.superinfer.GenerateRequest\x12\x15\n\rsubscriber_id\x18\x02 \x01(\t\x12\x0e\n\x06stream\x18\x03 \x01(\x04\"!\n\x0bSubmitReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\x95\x02\n\nStatsReply\x12\x0f\n\x07waiting\x18\x01 \x01(\x05\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0e\n\x06rotary\x18\x03 \x01(\x05\x12\x1b\n\x13\x64\x65vice_blocks_total\x18\x04 \x01(\x05\x12\x1a\n\x12\x64\x65vice_blocks_free\x18\x05 \x01(\x05\x12\x19\n\x11host_blocks_total\x18\x06 \x01(\x05\x12\x18\n\x10host_blocks_free\x18\x07 \x01(\x05\x12\x36\n\x08\x63ounters\x18\x08 \x03(\x0b\x32$.superinfer.StatsReply.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x12\n\x10ModelInfoRequest\"\xa5\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x13\n\x0bsource_kind\x18\t \x01(\t\x12\x13\n\x0bsource_path\x18\n \x01(\t\x12\x1a\n\x12kv_events_endpoint\x18\x0b \x01(\t\x12!\n\x19kv_events_replay_endpoint\x18\x0c \x01(\t\x12\x17\n\x0fkv_events_topic\x18\r \x01(\t2\x8f\x03\n\tScheduler\x12\x41\n\x08Generate\x12\x1b.superinfer.GenerateRequest\x1a\x16.superinfer.TokenEvent0\x01\x12\x43\n\tSubscribe\x12\x1c.superinfer.SubscribeRequest\x1a\x16.superinfer.TokenBatch0\x01\x12<\n\x06Submit\x12\x19.superinfer.SubmitRequest\x1a\x17.superinfer.SubmitReply\x12\x39\n\x05\x41\x62ort\x12\x18.superinfer.AbortRequest\x1a\x16.superinfer.AbortReply\x12<\n\x08GetStats\x12\x18.superinfer.StatsRequest\x1a\x16.superinfer.StatsReply\x12\x43\n\x0cGetModelInfo\x12\x1c.superinfer.ModelInfoRequest\x1a\x15.superinfer.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,31 +35,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSREPLY_COUNTERSENTRY']._loaded_options = None
   _globals['_STATSREPLY_COUNTERSENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=58
-  _globals['_GENERATEREQUEST']._serialized_end=258
-  _globals['_TOKENEVENT']._serialized_start=261
-  _globals['_TOKENEVENT']._serialized_end=567
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=569
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=610
-  _globals['_TOKENBATCH']._serialized_start=612
-  _globals['_TOKENBATCH']._serialized_end=664
-  _globals['_SUBMITREQUEST']._serialized_start=666
-  _globals['_SUBMITREQUEST']._serialized_end=766
-  _globals['_SUBMITREPLY']._serialized_start=768
-  _globals['_SUBMITREPLY']._serialized_end=801
-  _globals['_ABORTREQUEST']._serialized_start=803
-  _globals['_ABORTREQUEST']._serialized_end=853
-  _globals['_ABORTREPLY']._serialized_start=855
-  _globals['_ABORTREPLY']._serialized_end=882
-  _globals['_STATSREQUEST']._serialized_start=884
-  _globals['_STATSREQUEST']._serialized_end=898
-  _globals['_STATSREPLY']._serialized_start=901
-  _globals['_STATSREPLY']._serialized_end=1178
-  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_start=1131
-  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_end=1178
-  _globals['_MODELINFOREQUEST']._serialized_start=1180
-  _globals['_MODELINFOREQUEST']._serialized_end=1198
-  _globals['_MODELINFO']._serialized_start=1201
-  _globals['_MODELINFO']._serialized_end=1494
-  _globals['_SCHEDULER']._serialized_start=1497
-  _globals['_SCHEDULER']._serialized_end=1896
+  _globals['_GENERATEREQUEST']._serialized_end=282
+  _globals['_TOKENEVENT']._serialized_start=285
+  _globals['_TOKENEVENT']._serialized_end=591
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=593
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=634
+  _globals['_TOKENBATCH']._serialized_start=636
+  _globals['_TOKENBATCH']._serialized_end=688
+  _globals['_SUBMITREQUEST']._serialized_start=690
+  _globals['_SUBMITREQUEST']._serialized_end=790
+  _globals['_SUBMITREPLY']._serialized_start=792
+  _globals['_SUBMITREPLY']._serialized_end=825
+  _globals['_ABORTREQUEST']._serialized_start=827
+  _globals['_ABORTREQUEST']._serialized_end=877
+  _globals['_ABORTREPLY']._serialized_start=879
+  _globals['_ABORTREPLY']._serialized_end=906
+  _globals['_STATSREQUEST']._serialized_start=908
+  _globals['_STATSREQUEST']._serialized_end=922
+  _globals['_STATSREPLY']._serialized_start=925
+  _globals['_STATSREPLY']._serialized_end=1202
+  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_start=1155
+  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_end=1202
+  _globals['_MODELINFOREQUEST']._serialized_start=1204
+  _globals['_MODELINFOREQUEST']._serialized_end=1222
+  _globals['_MODELINFO']._serialized_start=1225
+  _globals['_MODELINFO']._serialized_end=1518
+  _globals['_SCHEDULER']._serialized_start=1521
+  _globals['_SCHEDULER']._serialized_end=1920
 # @@protoc_insertion_point(module_scope)

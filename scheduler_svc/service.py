@@ -305,6 +305,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             priority=m.priority,
             tenant=m.tenant,
             weight=m.weight if m.weight > 0 else 1.0,
+            speculative=not m.no_speculation,
         )
 
     async def Abort(
@@ -324,6 +325,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         counters = s.stats.counters()
         counters.update(loop.stats_dict())
         counters.update(service_counters(s.shares))
+        if s.speculator is not None:
+            counters.update(s.speculator.stats.counters())
         now = s.load()
         return scheduler_pb2.StatsReply(
             waiting=len(s.waiting),

@@ -82,6 +82,15 @@ class SpecStats:
         for i in range(accepted):
             self.accepted_per_pos[i] += 1
 
+    def counters(self) -> dict[str, float]:
+        """As GetStats sends them (gateway/metrics.py exports vLLM's names)."""
+        d = {"spec_decode_num_drafts": float(self.num_drafts),
+             "spec_decode_num_draft_tokens": float(self.num_draft_tokens),
+             "spec_decode_num_accepted_tokens": float(self.num_accepted_tokens)}
+        for i, n in enumerate(self.accepted_per_pos):
+            d[f"spec_decode_num_accepted_tokens_per_pos:{i}"] = float(n)
+        return d
+
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0

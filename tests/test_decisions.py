@@ -141,6 +141,7 @@ class State:
         self.seat_limit = self.max_num_seqs = seats
         self.iteration = 100
         self.shares = Ledger("shares", pool.free + 64)  # one tenant: no effect
+        self.speculator = None  # no speculative decoding
         self.running = Queue(policy, False, running)
         self.waiting = Queue(policy, False, waiting)
         self.rotary = Queue(policy, True, [])

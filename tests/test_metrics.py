@@ -32,11 +32,18 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.daemon import free_port
-from gateway.metrics import COUNTER, SCHEDULER_SERIES, TENANTS_ONLY, series_key
+from gateway.metrics import (
+    COUNTER,
+    SCHEDULER_SERIES,
+    SPECULATIVE_ONLY,
+    TENANTS_ONLY,
+    series_key,
+)
 from scheduler_svc.engine_core import EngineStats
 from scheduler_svc.loop import LoopStats
 from scheduler_svc.request import SLO, Request, SamplingParams
 from scheduler_svc.scheduler import SchedulerStats
+from scheduler_svc.speculative import SpecStats
 from superinfer.bench.serve.runner import scrape
 from superinfer.bench.server_stats import scheduler_stat
 from superinfer.probes import grpc_probe, http_probe
@@ -368,7 +375,7 @@ def test_cumulative_values_are_counters_that_count_what_was_served(served: Serve
     types = _types(served.idle)
     assert not [n for n, t in types.items() if t not in ("counter", "gauge", "histogram")]
     for key, series in SCHEDULER_SERIES.items():
-        if key not in TENANTS_ONLY:  # tests/test_tenant_metrics.py renders those
+        if key not in TENANTS_ONLY | SPECULATIVE_ONLY:  # rendered by their own tests
             assert types[series.name] == series.kind, series.name
     m = _samples(served.idle)
     for name in ("rotations", "swap_out_blocks", "swap_in_blocks", "iterations", "transfers"):
@@ -390,7 +397,7 @@ def test_bench_reads_every_scheduler_counter_by_its_key(served: Served) -> None:
     got = asyncio.run(scrape(f"{served.stack.http_url}/metrics"))
     assert got is not None
     for key, series in SCHEDULER_SERIES.items():
-        if series.kind == COUNTER and key not in TENANTS_ONLY:
+        if series.kind == COUNTER and key not in TENANTS_ONLY | SPECULATIVE_ONLY:
             want = _value(m, series.sample_name, **dict(series.labels))
             assert scheduler_stat(got, key) == want, key
 
@@ -398,7 +405,8 @@ def test_bench_reads_every_scheduler_counter_by_its_key(served: Served) -> None:
 def test_the_scheduler_sends_exactly_the_statistics_the_gateway_types() -> None:
     sent = set(SchedulerStats().as_dict()) | set(EngineStats().as_dict()) | set(LoopStats().as_dict())
     # Histograms travel flattened (<key>:bucket:<le>, <key>:sum, <key>:count).
-    assert {series_key(k) for k in sent} == set(SCHEDULER_SERIES) - TENANTS_ONLY
+    assert {series_key(k) for k in sent} == set(SCHEDULER_SERIES) - TENANTS_ONLY - SPECULATIVE_ONLY
+    assert {series_key(k) for k in SpecStats(accepted_per_pos=[1]).counters()} == SPECULATIVE_ONLY
     for key, series in SCHEDULER_SERIES.items():
         # Prometheus' conventions: counters end in _total (prometheus_client adds it),
         # durations are in seconds, nothing else claims _total.
