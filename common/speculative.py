@@ -19,6 +19,7 @@ METHODS = ("ngram",)
 NOT_YET = ("suffix", "draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp",
            "ngram_gpu")
 MAX_SPECULATIVE_TOKENS = 16
+LOOKUP_MIN, LOOKUP_MAX = 2, 4  # prompt_lookup_min / _max when not given
 
 
 class SpeculativeConfigError(ValueError):
@@ -29,8 +30,8 @@ class SpeculativeConfigError(ValueError):
 class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 4  # k: drafts verified per step at most
-    prompt_lookup_max: int = 4  # the longest suffix n-gram looked up
-    prompt_lookup_min: int = 2  # ... and the shortest
+    prompt_lookup_max: int = LOOKUP_MAX  # the longest suffix n-gram looked up
+    prompt_lookup_min: int = LOOKUP_MIN  # ... and the shortest
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -79,9 +80,9 @@ class SpeculativeConfig:
         lo, hi = obj.get("prompt_lookup_min"), obj.get("prompt_lookup_max")
         # Only one of the two given: the other keeps its default, bounded by it.
         if lo is None and hi is not None:
-            lo = min(hi, cls.prompt_lookup_min) if isinstance(hi, int) else hi
+            lo = min(hi, LOOKUP_MIN) if isinstance(hi, int) else hi
         if hi is None and lo is not None:
-            hi = max(lo, cls.prompt_lookup_max) if isinstance(lo, int) else lo
+            hi = max(lo, LOOKUP_MAX) if isinstance(lo, int) else lo
         kw: dict[str, Any] = {"method": obj["method"]}
         if "num_speculative_tokens" in obj:
             kw["num_speculative_tokens"] = obj["num_speculative_tokens"]

@@ -490,10 +490,7 @@ class Scheduler(RecoveryMixin):
         self._blocks_needed += self._next_token_blocks(req) - before
         if same_kv:
             req.num_inflight_tokens -= len(chunk.token_ids)
-            # KV stands for the last known token and the drafts that were accepted (the
-            # tokens kept, but the last); the rest of the chunk's slots roll back.
-            req.num_computed_tokens = min(req.num_computed_tokens, chunk.start_pos + kept)
-            self.bm.truncate(req)
+            self._roll_back(req, chunk.start_pos + kept)
             if self.config.enable_prefix_caching:
                 self.bm.cache_full_blocks(req)
         if reason is not None:
@@ -503,6 +500,13 @@ class Scheduler(RecoveryMixin):
         if first is not None:
             lps = [first, *result.accepted_logprobs.get(rid, ())][:kept]
         return RequestEvent(rid, tokens[:kept], reason, lps)
+
+    def _roll_back(self, req: Request, valid: int) -> None:
+        """KV stands for the request's first `valid` tokens (its last known token and the
+        drafts that were accepted); the slots of the rejected drafts, and the blocks that
+        held only those, go back."""
+        req.num_computed_tokens = min(req.num_computed_tokens, valid)
+        self.bm.truncate(req)
 
     def _fork_followers(self, leader: Request, now: float) -> None:
         """The leader's prompt blocks are settled on the device: its followers share them."""

@@ -11,7 +11,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 import pytest
@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from common.contracts import PLACEHOLDER, ExecuteResult, ScheduledChunk, TransferResult
 from common.lane import ThreadLane
+from common.speculative import SpeculativeConfig
 from common.wire import plan_to_proto
 from kvmem_svc.service import KVMemService
 from proto import kvmem_pb2_grpc
@@ -29,16 +30,23 @@ from scheduler_svc.interfaces import SchedulerOutput
 from scheduler_svc.policy import POLICY_NAMES, RotationLimits, make_policy
 from scheduler_svc.request import SLO, Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from tests.kvcheck import CheckingExecutor, KVStore, assert_writes_private, next_token
+from tests.kvcheck import (
+    CheckingExecutor,
+    KVStore,
+    assert_synced_blocks_hold_their_tokens,
+    assert_writes_private,
+    next_token,
+)
 from tests.test_service_parts import SHAPE, _plan, _with_kvmem
 from worker.batches import BatchRunner, OutOfOrder
 from worker.kv_pool import DevicePool
 
 
-def expected(prompt: list[int], n: int) -> list[int]:
+def expected(prompt: list[int], n: int,
+             model: Callable[[list[int]], int] = next_token) -> list[int]:
     ctx = list(prompt)
     for _ in range(n):
-        ctx.append(next_token(ctx))
+        ctx.append(model(ctx))
     return ctx[len(prompt):]
 
 
@@ -59,9 +67,10 @@ class _Interleaving:
     EAGER_S = 0.02
 
     def __init__(self, store: KVStore, prompts: dict[str, list[int]], hold: bool = False,
-                 slow_eager: bool = False) -> None:
+                 slow_eager: bool = False, model: Callable[[list[int]], int] = next_token,
+                 ) -> None:
         self.store = store
-        self.checker = CheckingExecutor(store, prompts)
+        self.checker = CheckingExecutor(store, prompts, model)
         self.batches = BatchRunner(self._held if hold else self.checker.execute)
         self.hold = hold
         self.slow_eager = slow_eager
@@ -104,24 +113,30 @@ def _serve(policy: str, prompts: list[list[int]], lens: list[int], device_blocks
            limits: RotationLimits | None = None, caching: bool = False,
            host_blocks: int = 400, arrive: dict[int, int] | None = None,
            hold: bool = False, lanes: _Interleaving | None = None,
+           speculative: SpeculativeConfig | None = None,
+           model: Callable[[list[int]], int] = next_token,
            ) -> tuple[dict[str, list[int]], Scheduler]:
     """Run every request through EngineCore.step(); abort request i at step aborts[i]
     (request i arrives at step arrive[i], default: at once). Returns what each request
     produced and the scheduler (checked at every step). `lanes`: made here unless given
-    (its store and prompts must then be empty, sized like the scheduler's pools)."""
+    (its store and prompts must then be empty, sized like the scheduler's pools).
+    `speculative`: prompt lookup on, greedy requests, `model` the checker's next token."""
     sched = Scheduler(
         SchedulerConfig(num_device_blocks=device_blocks, num_host_blocks=host_blocks,
                         block_size=4, max_batched_tokens=24, eager_budget_blocks=4,
-                        pipelined=pipeline, enable_prefix_caching=caching),
+                        pipelined=pipeline, enable_prefix_caching=caching,
+                        speculative=speculative),
         make_policy(policy, limits=limits or RotationLimits.bare()),
     )
     if lanes is None:
-        lanes = _Interleaving(KVStore(device_blocks, host_blocks, 4), {}, hold)
+        lanes = _Interleaving(KVStore(device_blocks, host_blocks, 4), {}, hold, model=model)
     truth = lanes.checker.prompts
     core = EngineCore(sched, lanes, lanes, pipeline=pipeline)
     plan = sched.schedule
 
     def schedule() -> SchedulerOutput:
+        # Every copy planned before has landed by now (the core waits for them first).
+        assert_synced_blocks_hold_their_tokens(sched, lanes.store, lanes.checker)
         out = plan()
         assert_writes_private(sched, out)  # checked as planned, before anything lands
         if out.transfers is not None:
@@ -138,7 +153,8 @@ def _serve(policy: str, prompts: list[list[int]], lens: list[int], device_blocks
         truth[f"r{i}"] = list(prompts[i])
         got[f"r{i}"] = []
         sched.add_request(Request(f"r{i}", list(prompts[i]),
-                                  SamplingParams(max_tokens=lens[i], ignore_eos=True),
+                                  SamplingParams(max_tokens=lens[i], ignore_eos=True,
+                                                 temperature=0.0),
                                   arrival_time=sched.clock(), slo=SLO(0.05, 0.01)))
 
     async def main() -> None:
@@ -165,10 +181,11 @@ def _serve(policy: str, prompts: list[list[int]], lens: list[int], device_blocks
 
 
 def _check(got: dict[str, list[int]], sched: Scheduler, prompts: list[list[int]],
-           lens: list[int], aborted: set[int], device_blocks: int) -> None:
+           lens: list[int], aborted: set[int], device_blocks: int,
+           model: Callable[[list[int]], int] = next_token) -> None:
     context = device_blocks * 4  # a request may not outgrow the device pool
     for i, p in enumerate(prompts):
-        want = expected(p, min(lens[i], context - len(p)))
+        want = expected(p, min(lens[i], context - len(p)), model)
         if i in aborted:
             assert got[f"r{i}"] == want[: len(got[f"r{i}"])]  # a prefix, unchanged
         else:
@@ -270,7 +287,8 @@ def test_eager_copies_of_blocks_a_batch_still_writes_are_caught(monkeypatch) -> 
                         property(lambda self: self.num_computed_tokens))
     prompts = [[i, i + 1, i + 2, 3 * i, 5] for i in range(12)]
     lens = [20 + (i % 5) for i in range(12)]
-    with pytest.raises(AssertionError, match="KV context differs"):
+    # (a stale host copy is caught as it lands, or when the request comes back)
+    with pytest.raises(AssertionError, match="KV context differs|block .* holds"):
         # hold lets the copy land before the batch writes, but only for HOLD_S: on a loaded
         # machine the event loop can miss that window, so the race gets a few workloads
         # (the first catches it on an idle machine).
@@ -295,7 +313,7 @@ def test_swap_ins_into_blocks_a_batch_may_read_wait_for_it(monkeypatch) -> None:
     monkeypatch.setattr(TransferPlan, "after_batch", after_only_swap_outs)
     prompts = [[i, i + 1, i + 2, 3 * i, 5] for i in range(12)]
     lens = [20 + (i % 5) for i in range(12)]
-    with pytest.raises(AssertionError, match="KV context differs"):
+    with pytest.raises(AssertionError, match="KV context differs|block .* holds"):
         # The race needs swap-ins into blocks released while a batch runs, and that batch
         # slow enough to lose it (hold=True). waiting-first and LVF plan such swap-ins in
         # these seeds (each raced in 4 of 4 tries of seeds 0-2; swapped-first in none).
@@ -370,7 +388,7 @@ def test_cached_blocks_a_batch_may_read_are_late_for_swap_ins(monkeypatch) -> No
                             limits=limits)
         _check(got, sched, prompts, lens, set(), 12)
     monkeypatch.setattr(TierCache, "park", lambda self, block, tag: park(self, block, 0))
-    with pytest.raises(AssertionError, match="KV context differs"):
+    with pytest.raises(AssertionError, match="KV context differs|block .* holds"):
         for seed in range(6):  # the race needs a batch slow enough to lose it: hold
             prompts, lens, arrive = _shared_workload(seed)
             _serve("lvf", prompts, lens, 12, {}, caching=True, arrive=arrive, limits=limits,

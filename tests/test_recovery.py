@@ -144,9 +144,10 @@ class Stream:
 
 
 async def stream_completion(client: httpx.AsyncClient, serve: Serve, prompt: str,
-                            out: Stream, max_tokens: int = MAX_TOKENS) -> Stream:
+                            out: Stream, max_tokens: int = MAX_TOKENS,
+                            extra: dict[str, Any] | None = None) -> Stream:
     body = {"model": serve.model, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "ignore_eos": True}
+            "temperature": 0, "stream": True, "ignore_eos": True, **(extra or {})}
     async with client.stream("POST", f"{serve.url}/v1/completions", json=body) as r:
         assert r.status_code == 200, await r.aread()
         async for line in r.aiter_lines():
@@ -167,13 +168,17 @@ async def stream_completion(client: httpx.AsyncClient, serve: Serve, prompt: str
     return out
 
 
-def run_load(serve: Serve, prompts: list[str], during: Any = None) -> list[Stream]:
-    """Stream every prompt at once; `during(streams)` (async) runs alongside."""
+def run_load(serve: Serve, prompts: list[str], during: Any = None,
+             max_tokens: int = MAX_TOKENS, extra: dict[str, Any] | None = None,
+             ) -> list[Stream]:
+    """Stream every prompt at once; `during(streams)` (async) runs alongside; `extra`:
+    more fields of each body."""
 
     async def main() -> list[Stream]:
         streams = [Stream() for _ in prompts]
         async with httpx.AsyncClient(timeout=300, trust_env=False) as client:
-            tasks = [asyncio.create_task(stream_completion(client, serve, p, s))
+            tasks = [asyncio.create_task(stream_completion(client, serve, p, s, max_tokens,
+                                                           extra))
                      for p, s in zip(prompts, streams, strict=True)]
             if during is not None:
                 await during(streams, tasks)

@@ -1,0 +1,93 @@
+"""Speculative decoding in `superinfer serve` (float32, a device pool that rotates): with a
+kill -9 of the worker while greedy streams speculate, every stream ends with the text it
+has with speculation off; vLLM's spec-decode counters reach /metrics; nothing leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from common.speculative import SpeculativeConfig
+from tests.test_recovery import (
+    Serve,
+    Stream,
+    assert_clean,
+    kill,
+    mean_tokens,
+    next_token_after,
+    run_load,
+    serving,
+    until,
+)
+
+MAX_TOKENS = 64
+# Input-grounded prompts: the answer restates text from the prompt, so prompt lookup's
+# drafts are often right (and sometimes wrong: both paths run).
+PASSAGES = [
+    "The new backup job runs every nigth at two and keeps seven copies of each database.",
+    "Our harbour opens at six; the ferry to the island leaves evry hour until dusk.",
+    "def area(w, h):\n    return w * h\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n",
+    "Name: Ada Brook\nCity: Lisbon\nRole: data engineer\nTeam: storage\nStart: March",
+    "First heat the oven, then mix the flour and the water, then knead the dough for ten "
+    "minutes, then let it rest for an hour.",
+    "Meeting notes: the release moves to Friday, Sam owns the migration, Kim writes the "
+    "announcement, and the budget stays the same.",
+]
+PROMPTS = [f"Rewrite the following text, fixing any spelling mistakes.\n\nText:\n{p}\n\n"
+           f"Rewritten text:\n" for p in PASSAGES]
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+    config = SpeculativeConfig(num_speculative_tokens=4)
+    with serving(tmp_path_factory.mktemp("speculative"), "--dtype", "float32",
+                 "--speculative-config", config.to_json()) as s:
+        s.note_segment()
+        yield s
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M))
+
+
+def test_a_worker_killed_while_streams_speculate_changes_no_token(serve: Serve) -> None:
+    off = run_load(serve, PROMPTS, max_tokens=MAX_TOKENS, extra={"speculative": False})
+    assert all(s.error is None and s.finish_reason == "length" for s in off)
+    c0 = serve.stats().counters
+    assert c0.get("spec_decode_num_drafts", 0.0) == 0.0  # turned off per request
+    times: dict[str, float] = {}
+
+    async def chaos(streams: list[Stream], tasks: list[asyncio.Task[Stream]]) -> None:
+        await until(lambda: mean_tokens(streams) >= 12)
+        _, t = kill(serve, "worker")
+        times["worker"] = await next_token_after(streams, t)
+
+    on = run_load(serve, PROMPTS, chaos, max_tokens=MAX_TOKENS)
+    print(f"\nrecovery time, kill -9 -> next token to any client: {times['worker']:.2f} s")
+    for a, b in zip(off, on, strict=True):
+        assert b.error is None and b.finish_reason == "length" and b.done
+        assert b.text == a.text, "speculation or the restart changed a stream"
+    c = serve.stats().counters
+    assert c["device_losses"] >= c0["device_losses"] + 1
+    assert c["spec_decode_num_accepted_tokens"] > 0
+    assert c["spec_decode_num_accepted_tokens"] < c["spec_decode_num_draft_tokens"]
+    metrics = httpx.get(f"{serve.url}/metrics", timeout=10, trust_env=False).text
+    assert _metric(metrics, "vllm:spec_decode_num_drafts_total") == c["spec_decode_num_drafts"]
+    assert (_metric(metrics, "vllm:spec_decode_num_accepted_tokens_total")
+            == c["spec_decode_num_accepted_tokens"])
+    per_pos = _metric(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos_total")
+    assert per_pos == c["spec_decode_num_accepted_tokens"]
+    assert_clean(serve)
+
+
+def test_a_bad_speculative_field_is_a_400(serve: Serve) -> None:
+    r = httpx.post(f"{serve.url}/v1/completions", timeout=30, trust_env=False,
+                   json={"model": serve.model, "prompt": "hi", "max_tokens": 2,
+                         "speculative": "sometimes"})
+    assert r.status_code == 400, r.text
+
+
