@@ -263,6 +263,8 @@ class Scheduler(RecoveryMixin):
                                 plan.now))
         else:
             order = self.policy.running_order(self.running.list(), plan.now)
+        if self.speculator is not None:
+            self.speculator.begin(self.running.list())
         order = classes_first(order)  # victims from the least urgent class first
         order = self.shares.by_tenant(order)  # ... and the tenant most over its share
         schedule_running(self, order, plan)
@@ -420,8 +422,11 @@ class Scheduler(RecoveryMixin):
             if self.policy.observe_iteration(result.execute_s):
                 self.waiting.refile()
                 self.rotary.refile()
+            context = sum(c.start_pos + len(c.token_ids) for c in out.chunks)
+            if self.speculator is not None and not out.num_prefill_tokens:
+                self.speculator.observe(out.num_tokens, len(out.chunks), context,
+                                        result.execute_s)
             if self.cost is not None:
-                context = sum(c.start_pos + len(c.token_ids) for c in out.chunks)
                 self.cost.observe(out.num_tokens, len(out.chunks), context, result.execute_s)
                 if (self.near_cost is not None and self._target is not None
                         and result.execute_s >= 0.5 * self._target):
@@ -472,7 +477,7 @@ class Scheduler(RecoveryMixin):
         rid = req.request_id
         tokens = result.tokens_of(rid)
         assert self.speculator is not None
-        self.speculator.stats.record(chunk.num_draft, len(tokens) - 1)
+        self.speculator.verified(rid, chunk.num_draft, len(tokens) - 1)
         before = self._next_token_blocks(req)
         queue = self._queue_of(req)
         if queue is not None:

@@ -27,9 +27,11 @@ grammar does not speculate, nor one that turned it off (`speculative: false`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from common.speculative import SpeculativeConfig
+from scheduler_svc.policy.iteration_cost import OnlineIterationCost
 from scheduler_svc.request import Request
 
 
@@ -96,13 +98,59 @@ class SpecStats:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
+class StepTimes:
+    """What a batch of decodes (and drafts) costs the executor, by its rows: a moving
+    average per row count where seen, else the online line fit (`t = a + b·rows +
+    c·context`). A CPU's matrix kernels work in tiles of rows, so a step's time rises in
+    stairs (measured here: 8 rows 15 ms, 9 rows 20 ms): a line would price the row that
+    opens a new tile like any other."""
+
+    SMOOTH = 0.2  # weight of a new batch in its row count's average
+
+    def __init__(self) -> None:
+        self.by_rows: dict[int, float] = {}
+        self.fit = OnlineIterationCost()
+
+    def observe(self, rows: int, seqs: int, context: int, seconds: float) -> None:
+        old = self.by_rows.get(rows)
+        self.by_rows[rows] = seconds if old is None else old + self.SMOOTH * (seconds - old)
+        self.fit.observe(rows, seqs, context, seconds)
+
+    def seconds(self, rows: int, seqs: int, context: int) -> float | None:
+        t = self.by_rows.get(rows)
+        if t is not None:
+            return t
+        return self.fit.seconds(rows, seqs, context) if self.fit.ready else None
+
+
 class Speculator:
-    """Prompt-lookup proposals for the scheduler, and what they yielded."""
+    """Prompt-lookup proposals for the scheduler, how many of them a batch verifies, and
+    what they yielded.
+
+    A draft yields a token only if it and every draft before it are accepted, and its row
+    costs the batch what the step times say. Each request keeps its acceptance rate β
+    (decayed counts, starting from the server's rate so far): its j-th draft pays off with
+    probability β^j. Each iteration (`begin`) the speculator proposes for the running
+    requests whose last token is known, ranks every draft by that probability and keeps
+    the first D, D chosen to maximise the batch's expected tokens per second,
+    (n + Σ β^j) / t(n + D): one stream on a CPU, whose fixed cost per step dwarfs a row's,
+    verifies drafts wherever its context predicts the output; a batch at the edge of a
+    tile of rows verifies none unless they are near-certain; open chat, whose short
+    n-grams recur by chance, stops drafting as its rate falls.
+    """
+
+    PRIOR_DRAFTS = 2.0  # weight of the prior in a request's acceptance rate, in drafts
+    DECAY = 0.8  # per verification: a request's rate follows its recent drafts
+    UNKNOWN_RATE = 0.7  # the prior before the server has verified any draft
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
         self._index: dict[str, NgramIndex] = {}
+        self._rate: dict[str, list[float]] = {}  # request -> [accepted, proposed], decayed
+        self.steps = StepTimes()
+        self._planned: dict[str, list[int]] = {}  # this iteration's drafts, by request
+        self._worth_one = 1.0  # this iteration: the rate at which one draft pays
         self.stats = SpecStats()
 
     @staticmethod
@@ -134,17 +182,84 @@ class Speculator:
         """Does the request's known suffix occur earlier (it is copying from its context)?"""
         return self._index_of(req).match(self._tokens(req)) is not None
 
+    def rate(self, request_id: str) -> float:
+        r = self._rate.get(request_id)
+        if r is None:
+            s = self.stats
+            return s.acceptance_rate if s.num_draft_tokens else self.UNKNOWN_RATE
+        return r[0] / r[1]
+
+    # -- planning -------------------------------------------------------------------------------
+    def begin(self, running: Sequence[Request]) -> None:
+        """Plan this iteration's drafts for the running requests (the batch's decodes)."""
+        self._planned = {}
+        n = len(running)
+        if not n:
+            return
+        context = sum(len(r.prompt_token_ids) + len(r.output_token_ids) for r in running)
+        base = self.steps.seconds(n, n, context + n)
+        one = self.steps.seconds(n + 1, n, context + n + 1)
+        # Pipelined: a request whose last token is in flight sits out when one draft at
+        # its rate would pay (the next plan proposes from that token).
+        self._worth_one = (n * (one / base - 1.0) if base and one and one > base else 0.0)
+        offers: list[tuple[float, str, int]] = []  # (probability, request, depth)
+        proposals: dict[str, list[int]] = {}
+        for req in running:
+            if req.num_placeholders or not self.eligible(req):
+                continue
+            drafts = self.propose(req, draft_limit(req, self.k))
+            if not drafts:
+                continue
+            proposals[req.request_id] = drafts
+            beta, p = self.rate(req.request_id), 1.0
+            for j in range(1, len(drafts) + 1):
+                p *= beta
+                offers.append((p, req.request_id, j))
+        if not offers:
+            return
+        offers.sort(key=lambda o: -o[0])
+        best_d, best, expected = 0, 0.0, 0.0
+        if base is not None:
+            best = n / base
+        for d, (p, _, _) in enumerate(offers, 1):
+            expected += p
+            t = self.steps.seconds(n + d, n, context + n + d)
+            if t is None or base is None:  # no times yet: verify them all, and learn
+                best_d = len(offers)
+                break
+            if (n + expected) / t > best:
+                best_d, best = d, (n + expected) / t
+        depth: dict[str, int] = {}
+        for _, rid, j in offers[:best_d]:
+            depth[rid] = max(depth.get(rid, 0), j)
+        self._planned = {rid: proposals[rid][:j] for rid, j in depth.items()}
+
+    def observe(self, rows: int, seqs: int, context: int, seconds: float) -> None:
+        """A batch with no prompt tokens (decodes, and drafts) took `seconds`."""
+        self.steps.observe(rows, seqs, context, seconds)
+
     # -- what schedule_running asks (policy/state.py's Speculation) --------------------------
     def drafts(self, req: Request, limit: int) -> list[int]:
-        if not self.eligible(req):
-            return []
-        return self.propose(req, min(limit, draft_limit(req, self.k)))
+        planned = self._planned.get(req.request_id)
+        return planned[:max(0, limit)] if planned else []
 
     def sits_out(self, req: Request) -> bool:
-        return self.eligible(req) and draft_limit(req, self.k) > 0 and self.copying(req)
+        return (self.eligible(req) and draft_limit(req, self.k) > 0
+                and self.rate(req.request_id) > self._worth_one and self.copying(req))
+
+    def verified(self, request_id: str, proposed: int, accepted: int) -> None:
+        """A request's drafts were verified: count them, and update its rate."""
+        r = self._rate.get(request_id)
+        if r is None:
+            prior = self.rate(request_id)
+            r = self._rate[request_id] = [prior * self.PRIOR_DRAFTS, self.PRIOR_DRAFTS]
+        self.stats.record(proposed, accepted)
+        r[0] = r[0] * self.DECAY + accepted
+        r[1] = r[1] * self.DECAY + proposed
 
     def forget(self, request_id: str) -> None:
         self._index.pop(request_id, None)
+        self._rate.pop(request_id, None)
 
 
 def draft_limit(req: Request, k: int) -> int:

@@ -57,18 +57,40 @@ def _req(prompt: list[int], **sampling: object) -> Request:
 
 def test_only_greedy_stateless_requests_that_allow_it_speculate() -> None:
     spec = Speculator(SPEC)
+
+    def drafts(req: Request, limit: int = 8) -> list[int]:
+        spec.begin([req])  # no step times measured yet: every proposal is verified
+        return spec.drafts(req, limit)
+
     prompt = [1, 2, 3, 4, 1, 2, 3]
-    assert spec.drafts(_req(prompt, temperature=0.0), 8) == [4, 1, 2, 3]
-    assert spec.drafts(_req(prompt, temperature=0.0), 2) == [4, 1]  # the budget left
-    assert spec.drafts(_req(prompt, temperature=0.7), 8) == []
-    assert spec.drafts(_req(prompt, temperature=0.0, presence_penalty=0.5), 8) == []
-    assert spec.drafts(_req(prompt, temperature=0.0, logit_bias={5: 1.0}), 8) == []
+    assert drafts(_req(prompt, temperature=0.0)) == [4, 1, 2, 3]
+    assert drafts(_req(prompt, temperature=0.0), 2) == [4, 1]  # the budget left
+    assert drafts(_req(prompt, temperature=0.7)) == []
+    assert drafts(_req(prompt, temperature=0.0, presence_penalty=0.5)) == []
+    assert drafts(_req(prompt, temperature=0.0, logit_bias={5: 1.0})) == []
     off = _req(prompt, temperature=0.0)
     off.speculative = False
-    assert spec.drafts(off, 8) == []
+    assert drafts(off) == []
     near_end = _req(prompt, temperature=0.0)
     near_end.sampling.max_tokens = 2  # one token after this step's first: one draft
-    assert spec.drafts(near_end, 8) == [4]
+    assert drafts(near_end) == [4]
+
+
+def test_a_batch_verifies_the_drafts_that_pay_for_their_rows() -> None:
+    """Step times in stairs (a tile of 4 rows): one stream verifies the drafts that fit
+    its tile (free rows); where one more row opens a tile, none at a rate of 0.7."""
+    spec = Speculator(SPEC)
+    for rows in range(1, 13):
+        for _ in range(3):
+            spec.observe(rows, 1, 100, 0.004 * (1 + (rows - 1) // 4))  # 4 ms per tile
+    copying = _req([1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2], temperature=0.0)
+    spec.begin([copying])
+    assert len(spec.drafts(copying, 8)) == 3  # 1 + 3 rows: one tile
+    full = [_req([1, 2, 3, 1, 2], temperature=0.0) for _ in range(4)]
+    for i, r in enumerate(full):
+        r.request_id = f"f{i}"
+    spec.begin(full)  # 4 rows fill the tile: a draft opens the next one
+    assert all(spec.drafts(r, 8) == [] for r in full)
 
 
 @pytest.mark.parametrize("text, why", [

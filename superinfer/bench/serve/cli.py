@@ -119,6 +119,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     b.add_argument("--baseline-url", default=None,
                    help="the other server's OpenAI API root, e.g. llama-server's "
                         "http://127.0.0.1:8090/v1 (turns baseline mode on)")
+    b.add_argument("--baseline-off-url", default=None,
+                   help="with --speculative: the anchor's server without speculation (its "
+                        "lookup speedup is --baseline-url's tok/s over this one's)")
     b.add_argument("--baseline-label", default="baseline")
     b.add_argument("--baseline-model", default=None,
                    help="model name there (default: the first of its GET /models)")
@@ -130,6 +133,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     b.add_argument("--prompt-len", default="111-194", help="prompt tokens, N or LO-HI")
     b.add_argument("--output-len", type=int, default=128)
     b.add_argument("--note", default=None, help="free text stored in the JSON config")
+    b.add_argument("--speculative", action="store_true",
+                   help="speculation on vs off in one run (the server runs with "
+                        "--speculative-config): the committed input-grounded and open-chat "
+                        "prompts (or --dataset FILE.jsonl of that shape) at --streams, "
+                        "--repeats times; --baseline-url: llama-server with its n-gram "
+                        "speculation beside it")
     o = p.add_argument_group("SLOs and output")
     o.add_argument("--ttft-slo", type=positive(float), default=5.0, help="S_B, seconds")
     o.add_argument("--tbt-slo", type=positive(float), default=0.1, help="S_F, seconds")
@@ -280,6 +289,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.speculative:
+        from superinfer.bench.serve.speculative import run_speculative
+
+        if args.repeats < 1:
+            raise BenchError("--repeats must be >= 1")
+        return run_speculative(args)
     if args.baseline_url:
         from superinfer.bench.serve.baseline import run_baseline
 
