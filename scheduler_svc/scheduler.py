@@ -422,11 +422,10 @@ class Scheduler(RecoveryMixin):
             if self.policy.observe_iteration(result.execute_s):
                 self.waiting.refile()
                 self.rotary.refile()
-            context = sum(c.start_pos + len(c.token_ids) for c in out.chunks)
             if self.speculator is not None and not out.num_prefill_tokens:
-                self.speculator.observe(out.num_tokens, len(out.chunks), context,
-                                        result.execute_s)
+                self.speculator.observe(out.num_tokens, result.execute_s)
             if self.cost is not None:
+                context = sum(c.start_pos + len(c.token_ids) for c in out.chunks)
                 self.cost.observe(out.num_tokens, len(out.chunks), context, result.execute_s)
                 if (self.near_cost is not None and self._target is not None
                         and result.execute_s >= 0.5 * self._target):

@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from common.speculative import SpeculativeConfig
-from scheduler_svc.policy.iteration_cost import OnlineIterationCost
 from scheduler_svc.request import Request
 
 
@@ -100,27 +99,41 @@ class SpecStats:
 
 class StepTimes:
     """What a batch of decodes (and drafts) costs the executor, by its rows: a moving
-    average per row count where seen, else the online line fit (`t = a + b·rows +
-    c·context`). A CPU's matrix kernels work in tiles of rows, so a step's time rises in
-    stairs (measured here: 8 rows 15 ms, 9 rows 20 ms): a line would price the row that
-    opens a new tile like any other."""
+    average per row count. A CPU's matrix kernels work in blocks of rows, so a step's
+    time rises in stairs (measured here: 8 rows 15 ms, 9 rows 20 ms; 3 rows 5 ms, 4 rows
+    8.6 ms): a line fitted over rows would price the row that opens a new block like any
+    other."""
 
     SMOOTH = 0.2  # weight of a new batch in its row count's average
+    # A row count not seen in this many batches is unknown again: a time measured once,
+    # badly (a thread tuner's trial, a busy neighbour), must not rule its drafts out for
+    # good. An unknown time makes the planner verify every draft once, and so measure it.
+    STALE = 200
 
     def __init__(self) -> None:
         self.by_rows: dict[int, float] = {}
-        self.fit = OnlineIterationCost()
+        self.seen: dict[int, int] = {}  # row count -> the batch that last had it
+        self.batches = 0
 
-    def observe(self, rows: int, seqs: int, context: int, seconds: float) -> None:
+    def observe(self, rows: int, seconds: float) -> None:
+        self.batches += 1
         old = self.by_rows.get(rows)
-        self.by_rows[rows] = seconds if old is None else old + self.SMOOTH * (seconds - old)
-        self.fit.observe(rows, seqs, context, seconds)
+        fresh = old is None or self.batches - self.seen[rows] > self.STALE
+        self.by_rows[rows] = seconds if fresh else old + self.SMOOTH * (seconds - old)
+        self.seen[rows] = self.batches
 
-    def seconds(self, rows: int, seqs: int, context: int) -> float | None:
+    def _known(self, rows: int) -> float | None:
         t = self.by_rows.get(rows)
+        return t if t is not None and self.batches - self.seen[rows] <= self.STALE else None
+
+    def seconds(self, rows: int) -> float | None:
+        """Its time, or at most that of the nearest larger row count known (more rows
+        never run faster); None where no such count is known (to be measured)."""
+        t = self._known(rows)
         if t is not None:
             return t
-        return self.fit.seconds(rows, seqs, context) if self.fit.ready else None
+        larger = [r for r in self.by_rows if r > rows and self._known(r) is not None]
+        return self.by_rows[min(larger)] if larger else None
 
 
 class Speculator:
@@ -196,9 +209,8 @@ class Speculator:
         n = len(running)
         if not n:
             return
-        context = sum(len(r.prompt_token_ids) + len(r.output_token_ids) for r in running)
-        base = self.steps.seconds(n, n, context + n)
-        one = self.steps.seconds(n + 1, n, context + n + 1)
+        base = self.steps.seconds(n)
+        one = self.steps.seconds(n + 1)
         # Pipelined: a request whose last token is in flight sits out when one draft at
         # its rate would pay (the next plan proposes from that token).
         self._worth_one = (n * (one / base - 1.0) if base and one and one > base else 0.0)
@@ -223,9 +235,12 @@ class Speculator:
             best = n / base
         for d, (p, _, _) in enumerate(offers, 1):
             expected += p
-            t = self.steps.seconds(n + d, n, context + n + d)
-            if t is None or base is None:  # no times yet: verify them all, and learn
+            t = self.steps.seconds(n + d)
+            if base is None:  # no times yet: verify them all, and learn
                 best_d = len(offers)
+                break
+            if t is None:  # this many rows not measured (recently): verify, and learn
+                best_d = d
                 break
             if (n + expected) / t > best:
                 best_d, best = d, (n + expected) / t
@@ -234,9 +249,9 @@ class Speculator:
             depth[rid] = max(depth.get(rid, 0), j)
         self._planned = {rid: proposals[rid][:j] for rid, j in depth.items()}
 
-    def observe(self, rows: int, seqs: int, context: int, seconds: float) -> None:
+    def observe(self, rows: int, seconds: float) -> None:
         """A batch with no prompt tokens (decodes, and drafts) took `seconds`."""
-        self.steps.observe(rows, seqs, context, seconds)
+        self.steps.observe(rows, seconds)
 
     # -- what schedule_running asks (policy/state.py's Speculation) --------------------------
     def drafts(self, req: Request, limit: int) -> list[int]:

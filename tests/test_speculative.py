@@ -77,20 +77,27 @@ def test_only_greedy_stateless_requests_that_allow_it_speculate() -> None:
 
 
 def test_a_batch_verifies_the_drafts_that_pay_for_their_rows() -> None:
-    """Step times in stairs (a tile of 4 rows): one stream verifies the drafts that fit
-    its tile (free rows); where one more row opens a tile, none at a rate of 0.7."""
+    """Step times in stairs (a block of 4 rows, 4 ms each): the drafts kept are those
+    that maximise expected tokens per second — free rows first, a new block only when
+    its drafts fill it with enough expected tokens."""
     spec = Speculator(SPEC)
-    for rows in range(1, 13):
+    for rows in range(1, 17):
         for _ in range(3):
-            spec.observe(rows, 1, 100, 0.004 * (1 + (rows - 1) // 4))  # 4 ms per tile
+            spec.observe(rows, 0.004 * (1 + (rows - 1) // 4))
     copying = _req([1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2], temperature=0.0)
     spec.begin([copying])
-    assert len(spec.drafts(copying, 8)) == 3  # 1 + 3 rows: one tile
-    full = [_req([1, 2, 3, 1, 2], temperature=0.0) for _ in range(4)]
-    for i, r in enumerate(full):
+    assert len(spec.drafts(copying, 8)) == 3  # 1 + 3 rows: one block, the drafts free
+    reqs = [_req([1, 2, 3, 1, 2], temperature=0.0) for _ in range(4)]
+    for i, r in enumerate(reqs):
         r.request_id = f"f{i}"
-    spec.begin(full)  # 4 rows fill the tile: a draft opens the next one
-    assert all(spec.drafts(r, 8) == [] for r in full)
+    # Two decodes: one draft each fills their block (free); two each would open the next
+    # (at the prior rate 0.7: 4.4 expected tokens in 8 ms, less than 3.4 in 4 ms).
+    spec.begin(reqs[:2])
+    assert [len(spec.drafts(r, 8)) for r in reqs[:2]] == [1, 1]
+    # Four decodes fill a block: any draft opens the next one, and doubles the step for
+    # fewer than four expected tokens.
+    spec.begin(reqs)
+    assert [spec.drafts(r, 8) for r in reqs] == [[], [], [], []]
 
 
 @pytest.mark.parametrize("text, why", [
