@@ -77,6 +77,9 @@ class EngineConfig(SchedulingSettings):
                 f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and self.speculative_config is not None:
+            raise ValueError("--speculative-config runs on the CPU executor only so far: "
+                             "drop it, or serve with --device cpu")
 
     def blocks_for(self, block_bytes: int) -> tuple[int, int]:
         """(device blocks, host blocks) from explicit counts or memory budgets."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from common.speculative import SpeculativeConfig
 from scheduler_svc.request import Request
@@ -97,6 +98,52 @@ class SpecStats:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
+class Proposer(Protocol):
+    """Where drafts come from: prompt lookup here; suffix decoding and a draft model
+    later. Per request, from its known tokens (prompt and accepted output)."""
+
+    def propose(self, req: Request, limit: int) -> list[int]:
+        """At most `limit` tokens the request is likely to produce next."""
+        ...
+
+    def copying(self, req: Request) -> bool:
+        """Would it propose now (its context predicts what comes next)?"""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """The request is gone."""
+        ...
+
+
+class PromptLookup:
+    """vLLM's `ngram`: the tokens after the latest earlier occurrence of the request's
+    last n tokens (n from prompt_lookup_max down to prompt_lookup_min) in its own
+    prompt and output; an n-gram index per request, extended as its tokens land."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+        self._index: dict[str, NgramIndex] = {}
+
+    def _match(self, req: Request) -> tuple[list[int], int | None]:
+        ix = self._index.get(req.request_id)
+        if ix is None:
+            ix = self._index[req.request_id] = NgramIndex(self.lo, self.hi)
+        seq = req.prompt_token_ids + req.output_token_ids
+        return seq, ix.match(seq)
+
+    def propose(self, req: Request, limit: int) -> list[int]:
+        if limit <= 0:
+            return []
+        seq, at = self._match(req)
+        return [] if at is None else seq[at : at + limit]
+
+    def copying(self, req: Request) -> bool:
+        return self._match(req)[1] is not None
+
+    def forget(self, request_id: str) -> None:
+        self._index.pop(request_id, None)
+
+
 class StepTimes:
     """What a batch of decodes (and drafts) costs the executor, by its rows: a moving
     average per row count. A CPU's matrix kernels work in blocks of rows, so a step's
@@ -159,7 +206,8 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
-        self._index: dict[str, NgramIndex] = {}
+        self.proposer: Proposer = PromptLookup(config.prompt_lookup_min,
+                                               config.prompt_lookup_max)
         self._rate: dict[str, list[float]] = {}  # request -> [accepted, proposed], decayed
         self.steps = StepTimes()
         self._planned: dict[str, list[int]] = {}  # this iteration's drafts, by request
@@ -172,28 +220,9 @@ class Speculator:
         s = req.sampling
         return req.speculative and s.greedy and not s.stateful
 
-    def _tokens(self, req: Request) -> list[int]:
-        return req.prompt_token_ids + req.output_token_ids
-
-    def _index_of(self, req: Request) -> NgramIndex:
-        ix = self._index.get(req.request_id)
-        if ix is None:
-            c = self.config
-            ix = self._index[req.request_id] = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max)
-        return ix
-
     def propose(self, req: Request, limit: int) -> list[int]:
         """Up to min(k, limit) drafts for a request whose last token is known."""
-        limit = min(self.k, limit)
-        if limit <= 0:
-            return []
-        seq = self._tokens(req)
-        at = self._index_of(req).match(seq)
-        return [] if at is None else seq[at : at + limit]
-
-    def copying(self, req: Request) -> bool:
-        """Does the request's known suffix occur earlier (it is copying from its context)?"""
-        return self._index_of(req).match(self._tokens(req)) is not None
+        return self.proposer.propose(req, min(self.k, limit))
 
     def rate(self, request_id: str) -> float:
         r = self._rate.get(request_id)
@@ -260,7 +289,7 @@ class Speculator:
 
     def sits_out(self, req: Request) -> bool:
         return (self.eligible(req) and draft_limit(req, self.k) > 0
-                and self.rate(req.request_id) > self._worth_one and self.copying(req))
+                and self.rate(req.request_id) > self._worth_one and self.proposer.copying(req))
 
     def verified(self, request_id: str, proposed: int, accepted: int) -> None:
         """A request's drafts were verified: count them, and update its rate."""
@@ -273,7 +302,7 @@ class Speculator:
         r[1] = r[1] * self.DECAY + proposed
 
     def forget(self, request_id: str) -> None:
-        self._index.pop(request_id, None)
+        self.proposer.forget(request_id)
         self._rate.pop(request_id, None)
 
 

@@ -5,8 +5,10 @@ has with speculation off; vLLM's spec-decode counters reach /metrics; nothing le
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -91,3 +93,30 @@ def test_a_bad_speculative_field_is_a_400(serve: Serve) -> None:
     assert r.status_code == 400, r.text
 
 
+
+
+def test_bench_serve_speculative_reports_on_off_acceptance_and_exactness(
+        serve: Serve, tmp_path: Path) -> None:
+    """`bench serve --speculative` on a small prompt file: the results.json keys per
+    workload and stream count; float32, so every text is the same on and off."""
+    from superinfer.cli import main
+
+    rows = [{"id": f"{kind}-{i}", "kind": kind, "max_tokens": 12,
+             "messages": [{"role": "user", "content": text}]}
+            for i, (kind, text) in enumerate([
+                ("rewrite", "Fix the spelling and write it again: " + PASSAGES[0]),
+                ("extract", "Give the name and the city as JSON: " + PASSAGES[3]),
+                ("open-chat", "What is a hash table?")])]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "results.json"
+    assert main(["bench", "serve", "--speculative", "--base-url", f"{serve.url}/v1",
+                 "--dataset", str(data), "--streams", "1,2", "--repeats", "1",
+                 "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert sorted(results) == ["input-grounded@1", "input-grounded@2", "open-chat@1",
+                               "open-chat@2"]
+    for row in results.values():
+        assert {"tok_s_on", "tok_s_off", "speedup", "acceptance_rate", "exact"} <= set(row)
+        assert row["exact"]["count"] == row["exact"]["total"] > 0
+    assert results["input-grounded@1"]["acceptance_rate"] > 0
