@@ -85,7 +85,6 @@ class Scheduler(RecoveryMixin):
         self.shares = Ledger(config.fairness, config.num_device_blocks)
         # Speculative decoding (--speculative-config): None where it is off.
         self.speculator = Speculator(config.speculative) if config.speculative else None
-        self._landed_at: float | None = None  # when the last batch's output landed
         self.stats = SchedulerStats()
         self.finished_log: list[Request] = []  # finished requests not yet collected
         # Planned iterations whose output has not landed: their batches are in flight.
@@ -424,7 +423,7 @@ class Scheduler(RecoveryMixin):
                 self.waiting.refile()
                 self.rotary.refile()
             if self.speculator is not None and not out.num_prefill_tokens:
-                self.speculator.observe(out.num_tokens, self._step_time(now, result.execute_s))
+                self.speculator.observe(out.num_tokens, result.execute_s)
             if self.cost is not None:
                 context = sum(c.start_pos + len(c.token_ids) for c in out.chunks)
                 self.cost.observe(out.num_tokens, len(out.chunks), context, result.execute_s)
@@ -467,20 +466,8 @@ class Scheduler(RecoveryMixin):
             lp = result.logprobs.get(chunk.request_id)
             events.append(RequestEvent(req.request_id, [tok], reason,
                                        [lp] if lp is not None else None, prompt_lps))
-        if out.chunks:
-            self._landed_at = now
         self._landed(out)
         return events
-
-    def _step_time(self, now: float, execute_s: float) -> float:
-        """A batch's share of the loop's time: from the landing before it to its own,
-        where the loop was busy in between (within twice its compute, 20 ms of slack),
-        else its compute. A batch that waits for the one before it to land (one with
-        drafts) pays for planning and the round trip the pipelined step hides."""
-        last = self._landed_at
-        if last is None or not 0.0 < now - last <= 2.0 * execute_s + 0.02:
-            return execute_s
-        return max(execute_s, now - last)
 
     def _land_drafts(self, req: Request, chunk: ScheduledChunk, result: ExecuteResult,
                      same_kv: bool, now: float) -> RequestEvent:
