@@ -460,6 +460,8 @@ class Scheduler(RecoveryMixin):
                 queue.append(req)
             else:
                 req.append_token(tok, now)
+            if self.speculator is not None:
+                self.speculator.landed(req.request_id, (tok,))
             reason = req.check_stop()
             if reason is not None:
                 self._finish(req, reason, now)

@@ -183,6 +183,14 @@ class StepTimes:
         return self.by_rows[min(larger)] if larger else None
 
 
+@dataclass(slots=True)
+class Guess:
+    """A proposal a request was not given, checked against its tokens as they land."""
+
+    tokens: list[int]
+    matched: int = 0  # its leading tokens that came true so far
+
+
 class Speculator:
     """Prompt-lookup proposals for the scheduler, how many of them a batch verifies, and
     what they yielded.
@@ -211,6 +219,10 @@ class Speculator:
         self._rate: dict[str, list[float]] = {}  # request -> [accepted, proposed], decayed
         self.steps = StepTimes()
         self._planned: dict[str, list[int]] = {}  # this iteration's drafts, by request
+        # Proposals a request was not given, still being checked against its tokens as
+        # they land (the part not checked yet), and how many matched so far: evidence of
+        # its rate that costs no row.
+        self._shadow: dict[str, Guess] = {}
         self._worth_one = 1.0  # this iteration: the rate at which one draft pays
         self.stats = SpecStats()
 
@@ -245,13 +257,23 @@ class Speculator:
         self._worth_one = (n * (one / base - 1.0) if base and one and one > base else 0.0)
         offers: list[tuple[float, str, int]] = []  # (probability, request, depth)
         proposals: dict[str, list[int]] = {}
+        shadow = self._shadow
         for req in running:
-            if req.num_placeholders or not self.eligible(req):
+            if not self.eligible(req):
+                continue
+            rid = req.request_id
+            if req.num_placeholders:
+                # Its last token is in flight: what its known suffix predicts, from that
+                # token on, is checked against the tokens as they land (free evidence).
+                if rid not in shadow:
+                    guess = self.propose(req, self.k)
+                    if guess:
+                        shadow[rid] = Guess(guess)
                 continue
             drafts = self.propose(req, draft_limit(req, self.k))
             if not drafts:
                 continue
-            proposals[req.request_id] = drafts
+            proposals[rid] = drafts
             beta, p = self.rate(req.request_id), 1.0
             for j in range(1, len(drafts) + 1):
                 p *= beta
@@ -277,6 +299,9 @@ class Speculator:
         for _, rid, j in offers[:best_d]:
             depth[rid] = max(depth.get(rid, 0), j)
         self._planned = {rid: proposals[rid][:j] for rid, j in depth.items()}
+        for rid, drafts in proposals.items():
+            if rid not in depth and rid not in shadow:
+                shadow[rid] = Guess(drafts)  # not verified: checked as its tokens land
 
     def observe(self, rows: int, seconds: float) -> None:
         """A batch with no prompt tokens (decodes, and drafts) took `seconds`."""
@@ -293,17 +318,39 @@ class Speculator:
 
     def verified(self, request_id: str, proposed: int, accepted: int) -> None:
         """A request's drafts were verified: count them, and update its rate."""
+        self.stats.record(proposed, accepted)
+        self._shadow.pop(request_id, None)
+        self._learn(request_id, proposed, accepted)
+
+    def landed(self, request_id: str, tokens: Sequence[int]) -> None:
+        """Tokens of a request landed without verification: a proposal it was not given
+        (a shadow) is scored against them, as verification would have scored it."""
+        g = self._shadow.get(request_id)
+        if g is None:
+            return
+        for tok in tokens:
+            if tok != g.tokens[g.matched]:
+                break
+            g.matched += 1
+            if g.matched == len(g.tokens):
+                break
+        else:
+            return  # still coming true: the next tokens go on checking it
+        del self._shadow[request_id]
+        self._learn(request_id, len(g.tokens), g.matched)
+
+    def _learn(self, request_id: str, proposed: int, accepted: int) -> None:
         r = self._rate.get(request_id)
         if r is None:
             prior = self.rate(request_id)
             r = self._rate[request_id] = [prior * self.PRIOR_DRAFTS, self.PRIOR_DRAFTS]
-        self.stats.record(proposed, accepted)
         r[0] = r[0] * self.DECAY + accepted
         r[1] = r[1] * self.DECAY + proposed
 
     def forget(self, request_id: str) -> None:
         self.proposer.forget(request_id)
         self._rate.pop(request_id, None)
+        self._shadow.pop(request_id, None)
 
 
 def draft_limit(req: Request, k: int) -> int:

@@ -100,6 +100,25 @@ def test_a_batch_verifies_the_drafts_that_pay_for_their_rows() -> None:
     assert [spec.drafts(r, 8) for r in reqs] == [[], [], [], []]
 
 
+def test_proposals_not_verified_are_scored_as_the_tokens_land() -> None:
+    """A request not given its drafts (its last token in flight, or rows that do not pay)
+    still learns its rate: what prompt lookup predicted is checked against the tokens as
+    they land, for free."""
+    spec = Speculator(SPEC)
+    miss = _req([1, 2, 3, 1, 2], temperature=0.0)
+    hit = _req([5, 6, 7, 5, 6], temperature=0.0)
+    hit.request_id = "s"
+    for r in (miss, hit):
+        r.num_placeholders = 1  # its last token is being sampled
+    spec.begin([miss, hit])
+    prior = spec.rate("r")
+    spec.landed("r", [9])  # it predicted 3
+    for tok in (7, 5, 6):  # it predicted 7, 5, 6
+        spec.landed("s", [tok])
+    assert spec.rate("r") < prior < spec.rate("s")
+    assert spec.stats.num_draft_tokens == 0  # nothing was verified
+
+
 @pytest.mark.parametrize("text, why", [
     ('{"method": "eagle"}', "not supported yet"),
     ('{"method": "medusa-ish"}', "unknown speculative method"),
