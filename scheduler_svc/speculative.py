@@ -154,13 +154,17 @@ class StepTimes:
     SMOOTH = 0.2  # weight of a new batch in its row count's average
     # A row count not seen in this many batches is unknown again: a time measured once,
     # badly (a thread tuner's trial, a busy neighbour), must not rule its drafts out for
-    # good. An unknown time makes the planner verify every draft once, and so measure it.
-    STALE = 200
+    # good.
+    STALE = 1000
+    # At most one batch in this many verifies drafts only to measure an unknown row count
+    # (each such batch may cost its requests more than it yields).
+    EXPLORE_EVERY = 64
 
     def __init__(self) -> None:
         self.by_rows: dict[int, float] = {}
         self.seen: dict[int, int] = {}  # row count -> the batch that last had it
         self.batches = 0
+        self._explored = -self.EXPLORE_EVERY  # the batch count at the last exploration
 
     def observe(self, rows: int, seconds: float) -> None:
         self.batches += 1
@@ -169,19 +173,23 @@ class StepTimes:
         self.by_rows[rows] = seconds if fresh else old + self.SMOOTH * (seconds - old)
         self.seen[rows] = self.batches
 
-    def _known(self, rows: int) -> float | None:
+    def known(self, rows: int) -> float | None:
         t = self.by_rows.get(rows)
         return t if t is not None and self.batches - self.seen[rows] <= self.STALE else None
 
-    def seconds(self, rows: int) -> float | None:
-        """Its time, or at most that of the nearest larger row count known (more rows
-        never run faster); None where no such count is known (to be measured)."""
-        t = self._known(rows)
-        if t is not None:
-            return t
-        larger = [r for r in self.by_rows if r > rows and self._known(r) is not None]
-        return self.by_rows[min(larger)] if larger else None
+    def bounds(self, rows: int) -> tuple[float | None, float | None]:
+        """An unknown row count's time lies between the nearest smaller and the nearest
+        larger counts known (more rows never run faster); None where there is none."""
+        known = [(r, t) for r in self.by_rows if (t := self.known(r)) is not None]
+        lower = max(((r, t) for r, t in known if r < rows), default=None)
+        upper = min(((r, t) for r, t in known if r > rows), default=None)
+        return (lower[1] if lower else None), (upper[1] if upper else None)
 
+    def may_explore(self) -> bool:
+        if self.batches - self._explored < self.EXPLORE_EVERY:
+            return False
+        self._explored = self.batches
+        return True
 
 @dataclass(slots=True)
 class Guess:
@@ -250,11 +258,17 @@ class Speculator:
         n = len(running)
         if not n:
             return
-        base = self.steps.seconds(n)
-        one = self.steps.seconds(n + 1)
+        steps = self.steps
+        base = steps.known(n)
+        one = steps.known(n + 1) or steps.bounds(n + 1)[1]
         # Pipelined: a request whose last token is in flight sits out when one draft at
         # its rate would pay (the next plan proposes from that token).
-        self._worth_one = (n * (one / base - 1.0) if base and one and one > base else 0.0)
+        if not steps.batches:
+            self._worth_one = 0.0  # nothing measured: every draft is verified
+        elif base is None or one is None:
+            self._worth_one = float("inf")  # no draft is verified before those are measured
+        else:
+            self._worth_one = n * max(0.0, one / base - 1.0)
         offers: list[tuple[float, str, int]] = []  # (probability, request, depth)
         proposals: dict[str, list[int]] = {}
         shadow = self._shadow
@@ -281,20 +295,27 @@ class Speculator:
         if not offers:
             return
         offers.sort(key=lambda o: -o[0])
-        best_d, best, expected = 0, 0.0, 0.0
-        if base is not None:
-            best = n / base
-        for d, (p, _, _) in enumerate(offers, 1):
-            expected += p
-            t = self.steps.seconds(n + d)
-            if base is None:  # no times yet: verify them all, and learn
-                best_d = len(offers)
-                break
-            if t is None:  # this many rows not measured (recently): verify, and learn
-                best_d = d
-                break
-            if (n + expected) / t > best:
-                best_d, best = d, (n + expected) / t
+        if not steps.batches:  # no step measured at all (no executor times): verify all
+            best_d = len(offers)
+        elif base is None:  # a plain step measures this batch size first
+            best_d = 0
+        else:
+            best_d, best, expected = 0, n / base, 0.0
+            for d, (p, _, _) in enumerate(offers, 1):
+                expected += p
+                t = steps.known(n + d)
+                if t is None:
+                    lower, upper = steps.bounds(n + d)
+                    if lower is not None and (n + expected) / lower <= best:
+                        continue  # cannot pay even at the fastest it might run
+                    if steps.may_explore():  # verify them, and measure this many rows
+                        best_d = d
+                        break
+                    if upper is None:
+                        continue
+                    t = upper
+                if (n + expected) / t > best:
+                    best_d, best = d, (n + expected) / t
         depth: dict[str, int] = {}
         for _, rid, j in offers[:best_d]:
             depth[rid] = max(depth.get(rid, 0), j)
