@@ -185,8 +185,12 @@ class StepTimes:
         upper = min(((r, t) for r, t in known if r > rows), default=None)
         return (lower[1] if lower else None), (upper[1] if upper else None)
 
+    def can_explore(self) -> bool:
+        return self.batches - self._explored >= self.EXPLORE_EVERY
+
     def may_explore(self) -> bool:
-        if self.batches - self._explored < self.EXPLORE_EVERY:
+        """Take this batch's chance to measure an unknown row count, if it has one."""
+        if not self.can_explore():
             return False
         self._explored = self.batches
         return True
@@ -263,10 +267,11 @@ class Speculator:
         one = steps.known(n + 1) or steps.bounds(n + 1)[1]
         # Pipelined: a request whose last token is in flight sits out when one draft at
         # its rate would pay (the next plan proposes from that token).
-        if not steps.batches:
-            self._worth_one = 0.0  # nothing measured: every draft is verified
+        if base is None and steps.batches:
+            self._worth_one = float("inf")  # no draft is verified before a plain step ran
         elif base is None or one is None:
-            self._worth_one = float("inf")  # no draft is verified before those are measured
+            # A draft is verified to learn what its row costs (as often as one may be).
+            self._worth_one = 0.0 if base is None or steps.can_explore() else float("inf")
         else:
             self._worth_one = n * max(0.0, one / base - 1.0)
         offers: list[tuple[float, str, int]] = []  # (probability, request, depth)
