@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from scheduler_svc.recovery import Recovery
     from scheduler_svc.request import Request
     from scheduler_svc.scheduler_config import RequestEvent, SchedulerConfig, SchedulerStats
+    from scheduler_svc.speculative import Speculator
 
 
 @dataclass(slots=True)
@@ -87,6 +88,7 @@ class SchedulerInterface(Protocol):
     rotary: RequestQueue  # started, KV parked in host memory
     stats: SchedulerStats
     shares: Ledger  # the tenants' service (policy/shares.py)
+    speculator: Speculator | None  # speculative decoding (--speculative-config); None: off
     finished_log: list[Request]  # finished requests not yet collected
 
     @property

@@ -169,8 +169,10 @@ class StepTimes:
     def observe(self, rows: int, seconds: float) -> None:
         self.batches += 1
         old = self.by_rows.get(rows)
-        fresh = old is None or self.batches - self.seen[rows] > self.STALE
-        self.by_rows[rows] = seconds if fresh else old + self.SMOOTH * (seconds - old)
+        if old is None or self.batches - self.seen[rows] > self.STALE:
+            self.by_rows[rows] = seconds
+        else:
+            self.by_rows[rows] = old + self.SMOOTH * (seconds - old)
         self.seen[rows] = self.batches
 
     def known(self, rows: int) -> float | None:

@@ -137,8 +137,11 @@ class SchedulingState(Protocol):
     seat_limit: int  # seats this iteration (max_num_seqs, or fewer under a time budget)
     iteration: int
     shares: Ledger  # the tenants' service (policy/shares.py)
-    # Speculative decoding (scheduler_svc/speculative.py); None: off.
-    speculator: Speculation | None
+
+    @property
+    def speculator(self) -> Speculation | None:
+        """Speculative decoding (scheduler_svc/speculative.py); None: off."""
+        ...
 
     @property
     def blocks(self) -> BlockView: ...
