@@ -119,3 +119,31 @@ def test_bench_serve_speculative_reports_on_off_acceptance_and_exactness(
         assert {"tok_s_on", "tok_s_off", "speedup", "acceptance_rate", "exact"} <= set(row)
         assert row["exact"]["count"] == row["exact"]["total"] > 0
         assert 0.0 <= row["acceptance_rate"] <= 1.0
+
+
+def test_stop_strings_and_usage_through_rest_see_accepted_tokens_only(serve: Serve) -> None:
+    """A stop string inside an accepted run: the text, finish reason, usage and logprobs
+    of the REST answer are those of speculation off."""
+
+    def complete(speculative: bool, **extra: object) -> dict:  # type: ignore[type-arg]
+        body = {"model": serve.model, "prompt": PROMPTS[0], "max_tokens": 40,
+                "temperature": 0, "speculative": speculative, **extra}
+        r = httpx.post(f"{serve.url}/v1/completions", json=body, timeout=120, trust_env=False)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    drafts = serve.stats().counters.get("spec_decode_num_accepted_tokens", 0.0)
+    free = complete(False)["choices"][0]["text"]
+    words = free.split()
+    assert len(words) > 6
+    stop = " ".join(words[len(words) // 2: len(words) // 2 + 2])
+    for extra in ({"stop": [stop]}, {"stop": [stop], "logprobs": 2}):
+        off, on = complete(False, **extra), complete(True, **extra)
+        a, b = off["choices"][0], on["choices"][0]
+        assert (b["text"], b["finish_reason"]) == (a["text"], a["finish_reason"]) == (
+            free[: free.index(stop)], "stop")
+        assert on["usage"] == off["usage"]
+        if "logprobs" in extra:
+            assert b["logprobs"]["tokens"] == a["logprobs"]["tokens"]
+    # the speculative answers did run on accepted drafts
+    assert serve.stats().counters["spec_decode_num_accepted_tokens"] > drafts
