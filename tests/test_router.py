@@ -459,8 +459,10 @@ def test_kill_9_of_a_whole_replica_under_load(dep: Deployment) -> None:
 
     async def load() -> tuple[list[Turn], float]:
         async with httpx.AsyncClient(trust_env=False, timeout=120) as c:
+            # Long enough to outlast the sleep below on a fast CPU (with 200 tokens all had
+            # ended within those 3 s, no stream left to cut); the 512-token pool bounds it.
             streams = [asyncio.create_task(chat(c, dep.router, _filler(900 + i, 20),
-                                                max_tokens=200, ignore_eos=True))
+                                                max_tokens=320, ignore_eos=True))
                        for i in range(6)]
             await asyncio.sleep(3.0)  # every stream is under way (past its first bytes)
             pids = _processes(victim)
