@@ -27,7 +27,7 @@ grammar does not speculate, nor one that turned it off (`speculative: false`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -45,22 +45,22 @@ class NgramIndex:
         self.upto = 0  # n-grams ending before this index are in `ends`
         self.ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(lo, hi + 1)}
 
-    def _extend(self, seq: list[int]) -> None:
+    def _extend(self, tokens: Callable[[int, int], list[int]], end: int) -> None:
         """Index the n-grams ending before the last position: the suffix itself (ending at
-        len(seq)) must not find itself."""
-        end = len(seq)
+        `end`) must not find itself."""
         for e in range(max(self.upto, self.lo), end):
             for n in range(self.lo, min(self.hi, e) + 1):
-                self.ends[n][tuple(seq[e - n : e])] = e
+                self.ends[n][tuple(tokens(e - n, e))] = e
         self.upto = max(self.upto, end)
 
-    def match(self, seq: list[int]) -> int | None:
-        """Where the tokens after the latest earlier occurrence of seq's longest matching
-        suffix start (None: no suffix of length lo..hi occurred before)."""
-        self._extend(seq)
-        end = len(seq)
+    def match(self, tokens: Callable[[int, int], list[int]], end: int) -> int | None:
+        """Where the tokens after the latest earlier occurrence of the longest matching
+        suffix of tokens [0, end) start (None: no suffix of length lo..hi occurred
+        before). `tokens(a, b)`: tokens [a, b), so that only the new n-grams and the
+        suffix are read, never the whole context."""
+        self._extend(tokens, end)
         for n in range(min(self.hi, end - 1), self.lo - 1, -1):
-            e = self.ends[n].get(tuple(seq[end - n :]))
+            e = self.ends[n].get(tuple(tokens(end - n, end)))
             if e is not None:
                 return e
         return None
@@ -103,11 +103,8 @@ class Proposer(Protocol):
     later. Per request, from its known tokens (prompt and accepted output)."""
 
     def propose(self, req: Request, limit: int) -> list[int]:
-        """At most `limit` tokens the request is likely to produce next."""
-        ...
-
-    def copying(self, req: Request) -> bool:
-        """Would it propose now (its context predicts what comes next)?"""
+        """At most `limit` tokens the request is likely to produce next (none: its
+        context does not predict them)."""
         ...
 
     def forget(self, request_id: str) -> None:
@@ -124,21 +121,15 @@ class PromptLookup:
         self.lo, self.hi = lo, hi
         self._index: dict[str, NgramIndex] = {}
 
-    def _match(self, req: Request) -> tuple[list[int], int | None]:
-        ix = self._index.get(req.request_id)
-        if ix is None:
-            ix = self._index[req.request_id] = NgramIndex(self.lo, self.hi)
-        seq = req.prompt_token_ids + req.output_token_ids
-        return seq, ix.match(seq)
-
     def propose(self, req: Request, limit: int) -> list[int]:
         if limit <= 0:
             return []
-        seq, at = self._match(req)
-        return [] if at is None else seq[at : at + limit]
-
-    def copying(self, req: Request) -> bool:
-        return self._match(req)[1] is not None
+        ix = self._index.get(req.request_id)
+        if ix is None:
+            ix = self._index[req.request_id] = NgramIndex(self.lo, self.hi)
+        end = len(req.prompt_token_ids) + len(req.output_token_ids)
+        at = ix.match(req.token_ids_slice, end)
+        return [] if at is None else req.token_ids_slice(at, min(at + limit, end))
 
     def forget(self, request_id: str) -> None:
         self._index.pop(request_id, None)
@@ -238,6 +229,9 @@ class Speculator:
         # its rate that costs no row.
         self._shadow: dict[str, Guess] = {}
         self._worth_one = 1.0  # this iteration: the rate at which one draft pays
+        # This iteration: the requests whose last token is in flight and whose known
+        # suffix occurs earlier (they copy from their context).
+        self._copying: set[str] = set()
         self.stats = SpecStats()
 
     @staticmethod
@@ -261,6 +255,7 @@ class Speculator:
     def begin(self, running: Sequence[Request]) -> None:
         """Plan this iteration's drafts for the running requests (the batch's decodes)."""
         self._planned = {}
+        self._copying = set()
         n = len(running)
         if not n:
             return
@@ -279,16 +274,19 @@ class Speculator:
         offers: list[tuple[float, str, int]] = []  # (probability, request, depth)
         proposals: dict[str, list[int]] = {}
         shadow = self._shadow
+        copying = self._copying
         for req in running:
             if not self.eligible(req):
                 continue
             rid = req.request_id
             if req.num_placeholders:
                 # Its last token is in flight: what its known suffix predicts, from that
-                # token on, is checked against the tokens as they land (free evidence).
-                if rid not in shadow:
-                    guess = self.propose(req, self.k)
-                    if guess:
+                # token on, is checked against the tokens as they land (free evidence),
+                # and it is copying from its context (sits_out).
+                guess = self.propose(req, self.k)
+                if guess:
+                    copying.add(rid)
+                    if rid not in shadow:
                         shadow[rid] = Guess(guess)
                 continue
             drafts = self.propose(req, draft_limit(req, self.k))
@@ -342,7 +340,8 @@ class Speculator:
 
     def sits_out(self, req: Request) -> bool:
         return (self.eligible(req) and draft_limit(req, self.k) > 0
-                and self.rate(req.request_id) > self._worth_one and self.proposer.copying(req))
+                and self.rate(req.request_id) > self._worth_one
+                and req.request_id in self._copying)
 
     def verified(self, request_id: str, proposed: int, accepted: int) -> None:
         """A request's drafts were verified: count them, and update its rate."""

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from common.contracts import ExecuteResult, ScheduledChunk, TransferPlan
+from scheduler_svc.request import RequestState
 
 if TYPE_CHECKING:
     from scheduler_svc.interfaces import SchedulerOutput
@@ -122,7 +123,7 @@ def assert_synced_blocks_hold_their_tokens(sched: Scheduler, store: KVStore,
             named = (d is not None and d in bm.dev_cache.hash_of) or (
                 h is not None and h in bm.host_cache.hash_of)
             if i >= synced:
-                if named or (h is not None and req.state.value == "running"):
+                if named or (h is not None and req.state is RequestState.RUNNING):
                     raise AssertionError(f"{rid}: block {i} is named or copied before its "
                                          "KV is final")
                 continue

@@ -42,12 +42,16 @@ def copying(ctx: list[int]) -> int:
 
 def test_prompt_lookup_proposes_what_followed_the_latest_earlier_match() -> None:
     ix = NgramIndex(1, 3)
+
+    def match(seq: list[int]) -> int | None:
+        return ix.match(lambda a, b: seq[a:b], len(seq))
+
     seq = [1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3]
-    at = ix.match(seq)
+    at = match(seq)
     assert at is not None and seq[at:at + 2] == [8, 5]  # the latest [1, 2, 3] came before 8
-    assert ix.match([4, 5, 6]) is None  # nothing before: the suffix never finds itself
+    assert match([4, 5, 6]) is None  # nothing before: the suffix never finds itself
     seq += [8]
-    at = ix.match(seq)  # [1, 2, 3, 8] extends the index incrementally
+    at = match(seq)  # [1, 2, 3, 8] extends the index incrementally
     assert at is not None and seq[at] == 5
 
 

@@ -9,6 +9,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -125,7 +126,7 @@ def test_stop_strings_and_usage_through_rest_see_accepted_tokens_only(serve: Ser
     """A stop string inside an accepted run: the text, finish reason, usage and logprobs
     of the REST answer are those of speculation off."""
 
-    def complete(speculative: bool, **extra: object) -> dict:  # type: ignore[type-arg]
+    def complete(speculative: bool, **extra: object) -> dict[str, Any]:
         body = {"model": serve.model, "prompt": PROMPTS[0], "max_tokens": 40,
                 "temperature": 0, "speculative": speculative, **extra}
         r = httpx.post(f"{serve.url}/v1/completions", json=body, timeout=120, trust_env=False)
