@@ -12,24 +12,14 @@
 # Wrap it in `flock /work/bench.lock` where several benchmarks share a machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
 LLAMA_SERVER=${LLAMA_SERVER:-$HOME/.cache/superinfer-anchors/llama-server}
 OUT=${OUT:-.experiments/cpu_vs_llamacpp}
 LPORT=${LLAMA_PORT:-8090}
 SPORT=${SUPERINFER_PORT:-18000}  # + 50..53 for its gRPC services (not the defaults: other stacks)
 [ -x "$LLAMA_SERVER" ] || { echo "no llama-server at $LLAMA_SERVER (build it: ../shared/tools/llama-server)" >&2; exit 2; }
-GGUF=$($PY -c "from common.modelfile import resolve_model; print(resolve_model(None).path)")
 mkdir -p "$OUT"
-run_dir=$(mktemp -d)
-pids=()
-cleanup() {
-    for p in "${pids[@]}"; do kill -INT "$p" 2>/dev/null || true; done
-    for p in "${pids[@]}"; do
-        for _ in $(seq 60); do kill -0 "$p" 2>/dev/null || break; sleep 0.5; done
-        kill -KILL "$p" 2>/dev/null || true
-    done
-}
-trap cleanup EXIT
+# shellcheck source=scripts/servers.sh
+source scripts/servers.sh  # GGUF, run_dir, pids, cleanup on exit, wait_up
 
 # LLAMA_ARGS: more llama-server flags, e.g. "-t 1" (its default: one thread per core)
 # shellcheck disable=SC2086
@@ -42,14 +32,6 @@ $PY -m superinfer.cli serve --port "$SPORT" --grpc-port $((SPORT + 50)) \
     >"$run_dir/serve.log" 2>&1 &
 pids+=($!)
 
-wait_up() {  # url, name
-    for _ in $(seq 600); do
-        if curl -sf "$1/models" >/dev/null 2>&1; then return 0; fi
-        sleep 0.5
-    done
-    echo "$2 did not come up; logs in $run_dir" >&2
-    exit 1
-}
 wait_up "http://127.0.0.1:$LPORT/v1" llama-server
 wait_up "http://127.0.0.1:$SPORT/v1" "superinfer serve"
 grep -h '"dtype_auto"\|"executor"' "$run_dir"/superinfer/*.log 2>/dev/null | tail -3 || true

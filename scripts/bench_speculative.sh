@@ -13,7 +13,6 @@
 # (e.g. --repeats 3 --streams 1,8).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
 LLAMA_SERVER=${LLAMA_SERVER:-$HOME/.cache/superinfer-anchors/llama-server}
 OUT=${OUT:-.experiments/speculative}
 SPEC=${SPEC:-'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'}
@@ -21,27 +20,9 @@ LPORT=${LLAMA_PORT:-8090}  # and LPORT + 1 for the one without speculation
 SPORT=${SUPERINFER_PORT:-18000}  # + 50..53 for its gRPC services (not the defaults: other stacks)
 # llama.cpp's n-gram speculation closest to prompt lookup: a 2-gram key, drafts of up to 8
 LLAMA_SPEC=${LLAMA_SPEC:---spec-type ngram-map-k4v --spec-ngram-map-k4v-size-n 2 --spec-ngram-map-k4v-size-m 8}
-GGUF=$($PY -c "from common.modelfile import resolve_model; print(resolve_model(None).path)")
 mkdir -p "$OUT"
-run_dir=$(mktemp -d)
-pids=()
-cleanup() {
-    for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-    for p in "${pids[@]}"; do
-        for _ in $(seq 60); do kill -0 "$p" 2>/dev/null || break; sleep 0.5; done
-        kill -KILL "$p" 2>/dev/null || true
-    done
-}
-trap cleanup EXIT
-
-wait_up() {  # url, name
-    for _ in $(seq 600); do
-        if curl -sf "$1/models" >/dev/null 2>&1; then return 0; fi
-        sleep 0.5
-    done
-    echo "$2 did not come up; logs in $run_dir" >&2
-    exit 1
-}
+# shellcheck source=scripts/servers.sh
+source scripts/servers.sh  # GGUF, run_dir, pids, cleanup on exit, wait_up
 
 anchors=()
 if [ -z "${NO_ANCHOR:-}" ]; then
